@@ -1,0 +1,262 @@
+//! One error type for every failure the API reports, rendered as RFC 9457
+//! problem JSON with a stable `code`.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+use utoipa::ToSchema;
+
+use crate::leases::{self, LeaseError};
+use crate::model::LeaseView;
+use crate::store::StoreError;
+
+/// RFC 9457 problem details. Extensions depend on `code`: `field` for
+/// `validation`, `holder` for `lease_held` / `owner_remote` /
+/// `owner_unverifiable`, `current` for `fenced` / `not_reserved`, `parent`
+/// for `parent_fenced`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    #[schema(example = "about:blank")]
+    pub type_: String,
+    #[schema(example = "Lease is held")]
+    pub title: String,
+    #[schema(example = 409)]
+    pub status: u16,
+    /// Stable, machine-readable error code.
+    #[schema(example = "lease_held")]
+    pub code: String,
+    pub detail: String,
+    /// Dotted path of the offending member (`validation` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<LeaseView>)]
+    pub holder: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<LeaseView>)]
+    pub current: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<LeaseView>)]
+    pub parent: Option<Value>,
+}
+
+#[derive(Debug)]
+pub enum ApiError {
+    MalformedJson(String),
+    Forbidden(String),
+    NotFound(String),
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    MethodNotAllowed,
+    Validation { field: String, detail: String },
+    ProcessNotFound { field: String, pid: i64 },
+    IdentityMismatch(String),
+    OwnerUnverifiable(String),
+    Lease(LeaseError),
+    Busy,
+    Unavailable(String),
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn validation(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self::Validation {
+            field: field.into(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// The contract's code for a lease refusal.
+pub fn lease_code(e: &LeaseError) -> &'static str {
+    match e {
+        LeaseError::NotFound => "not_found",
+        LeaseError::Held(_) => "lease_held",
+        LeaseError::OwnerRemote(_) => "owner_remote",
+        LeaseError::OwnerUnverifiable(_) => "owner_unverifiable",
+        LeaseError::ParentFenced(_) => "parent_fenced",
+        LeaseError::Fenced(_) => "fenced",
+        LeaseError::NotReserved(_) => "not_reserved",
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Busy => Self::Busy,
+            StoreError::Unavailable(m) => Self::Unavailable(m),
+            StoreError::Other(m) => Self::Internal(m),
+        }
+    }
+}
+
+impl From<leases::Error> for ApiError {
+    fn from(e: leases::Error) -> Self {
+        match e {
+            leases::Error::Store(s) => s.into(),
+            leases::Error::Lease(l) => Self::Lease(l),
+        }
+    }
+}
+
+fn lease_json(l: &LeaseView) -> Value {
+    serde_json::to_value(l).unwrap_or(Value::Null)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut ext = Map::new();
+        let (status, code, title, detail) = match self {
+            Self::MalformedJson(d) => (
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                "Malformed JSON",
+                d,
+            ),
+            Self::Forbidden(d) => (StatusCode::FORBIDDEN, "forbidden", "Forbidden", d),
+            Self::NotFound(d) => (StatusCode::NOT_FOUND, "not_found", "Not found", d),
+            Self::PayloadTooLarge => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                "Payload too large",
+                "the request body is over the limit".into(),
+            ),
+            Self::UnsupportedMediaType => (
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "Unsupported media type",
+                "send the body as application/json".into(),
+            ),
+            Self::MethodNotAllowed => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "Method not allowed",
+                "this path does not take that method".into(),
+            ),
+            Self::Validation { field, detail } => {
+                ext.insert("field".into(), json!(field));
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "validation",
+                    "Invalid request",
+                    detail,
+                )
+            }
+            Self::ProcessNotFound { field, pid } => {
+                ext.insert("field".into(), json!(field));
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "process_not_found",
+                    "Process not found",
+                    format!("no live process with pid {pid} on this host"),
+                )
+            }
+            Self::IdentityMismatch(d) => (
+                StatusCode::CONFLICT,
+                "identity_mismatch",
+                "Identity mismatch",
+                d,
+            ),
+            Self::OwnerUnverifiable(d) => (
+                StatusCode::CONFLICT,
+                "owner_unverifiable",
+                "Owner cannot be verified",
+                d,
+            ),
+            Self::Lease(e) => {
+                let code = lease_code(&e);
+                let (title, detail, key, lease): (&str, String, &str, Option<Box<LeaseView>>) = match e {
+                    LeaseError::NotFound => {
+                        return Self::NotFound("no lease with that id".into()).into_response();
+                    }
+                    LeaseError::Held(l) => ("Lease is held", format!("{} is held by {}", l.resource, l.holder), "holder", Some(l)),
+                    LeaseError::OwnerRemote(l) => (
+                        "Owner is remote",
+                        format!("{} is held by a process on another host and has no TTL that could expire", l.resource),
+                        "holder",
+                        Some(l),
+                    ),
+                    LeaseError::OwnerUnverifiable(l) => (
+                        "Owner cannot be verified",
+                        format!("the liveness of the owner of {} cannot be established on this host", l.resource),
+                        "holder",
+                        Some(l),
+                    ),
+                    LeaseError::ParentFenced(l) => (
+                        "Parent lease is not current",
+                        "the parent lease has ended or its token is not the current one".into(),
+                        "parent",
+                        l,
+                    ),
+                    LeaseError::Fenced(l) => (
+                        "Fenced",
+                        "the token is not the current one for this lease, or the lease has ended".into(),
+                        "current",
+                        Some(l),
+                    ),
+                    LeaseError::NotReserved(l) => (
+                        "Lease is not reserved",
+                        format!("the lease is {}, not reserved", l.state.as_str()),
+                        "current",
+                        Some(l),
+                    ),
+                };
+                ext.insert(key.into(), lease.as_deref().map_or(Value::Null, lease_json));
+                (StatusCode::CONFLICT, code, title, detail)
+            }
+            Self::Busy => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "busy",
+                "Busy",
+                "the store is busy; retry after the given delay".into(),
+            ),
+            Self::Unavailable(d) => {
+                tracing::error!(error = %d, "store unavailable");
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    "Store unavailable",
+                    "the store cannot be written".into(),
+                )
+            }
+            Self::Internal(d) => {
+                tracing::error!(error = %d, "internal error");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "Internal error",
+                    "an internal error occurred; it has been logged".into(),
+                )
+            }
+        };
+        problem(status, code, title, &detail, ext)
+    }
+}
+
+pub fn problem(
+    status: StatusCode,
+    code: &str,
+    title: &str,
+    detail: &str,
+    ext: Map<String, Value>,
+) -> Response {
+    let mut body = Map::new();
+    body.insert("type".into(), json!("about:blank"));
+    body.insert("title".into(), json!(title));
+    body.insert("status".into(), json!(status.as_u16()));
+    body.insert("code".into(), json!(code));
+    body.insert("detail".into(), json!(detail));
+    body.extend(ext);
+    let mut res = (status, Value::Object(body).to_string()).into_response();
+    let headers = res.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    res
+}

@@ -1,0 +1,126 @@
+//! Request extractors whose every rejection is a problem with the contract's
+//! code: body JSON (`Body`), query strings (`Params`) and path ids.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::{header, request::Parts};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::error::ApiError;
+
+/// A JSON object body, strictly parsed: content type checked (415), size
+/// limited (413), syntax (400), then shape (422 with the member's path).
+pub struct Body<T>(pub T);
+
+fn is_json(content_type: &str) -> bool {
+    let mime = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
+}
+
+/// serde reports unknown and missing members at their parent's path; name
+/// the member itself, which is what a client needs to fix.
+fn member_path(path: &str, message: &str) -> String {
+    let named = ["unknown field `", "missing field `"]
+        .iter()
+        .find_map(|p| message.split_once(p))
+        .and_then(|(_, rest)| rest.split('`').next());
+    match (path, named) {
+        (".", Some(name)) => name.to_owned(),
+        (parent, Some(name)) => format!("{parent}.{name}"),
+        (".", None) => String::new(),
+        (path, None) => path.to_owned(),
+    }
+}
+
+/// Deserialize `value` into `T`, mapping failures to `validation` on the path.
+pub fn from_value<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let message = e.inner().to_string();
+        ApiError::validation(member_path(&path, &message), message)
+    })
+}
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let json = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(is_json);
+        if !json {
+            return Err(ApiError::UnsupportedMediaType);
+        }
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::PayloadTooLarge
+            } else {
+                ApiError::MalformedJson(format!("the body could not be read: {e}"))
+            }
+        })?;
+        let value: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::MalformedJson(format!("the body is not valid JSON: {e}")))?;
+        if !value.is_object() {
+            return Err(ApiError::MalformedJson(
+                "the body must be a JSON object".into(),
+            ));
+        }
+        from_value(value).map(Body)
+    }
+}
+
+/// Query parameters, strictly parsed (unknown parameters are refused).
+pub struct Params<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Params<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let query = parts.uri.query().unwrap_or("");
+        let de = serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
+        serde_path_to_error::deserialize(de)
+            .map(Params)
+            .map_err(|e| {
+                let path = e.path().to_string();
+                let message = e.inner().to_string();
+                ApiError::validation(member_path(&path, &message), message)
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_content_types() {
+        assert!(is_json("application/json"));
+        assert!(is_json("application/json; charset=utf-8"));
+        assert!(is_json("Application/JSON"));
+        assert!(is_json("application/merge-patch+json"));
+        assert!(!is_json("text/plain"));
+        assert!(!is_json("application/x-www-form-urlencoded"));
+    }
+
+    #[test]
+    fn unknown_and_missing_members_are_named() {
+        assert_eq!(
+            member_path(".", "unknown field `bogus`, expected one of `a`"),
+            "bogus"
+        );
+        assert_eq!(
+            member_path("owner", "unknown field `x`, expected `pid`"),
+            "owner.x"
+        );
+        assert_eq!(member_path(".", "missing field `holder`"), "holder");
+        assert_eq!(member_path("ttl_ms", "invalid type: string"), "ttl_ms");
+    }
+}

@@ -1,0 +1,371 @@
+//! `/v1/leases`: parse, validate, call `Leases`, map the result.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+use super::extract::{Body, Params};
+use super::owner::{OwnerSpec, resolve_owner};
+use super::validate::{self, NAME_MAX, RESOURCE_MAX, TTL_MS, WAIT_MS};
+use crate::leases::{Acquire, Reclaimed};
+use crate::model::{LeaseFilter, LeaseView, StateFilter};
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(acquire, list))
+        .routes(routes!(get_lease))
+        .routes(routes!(renew))
+        .routes(routes!(activate))
+        .routes(routes!(release))
+        .routes(routes!(break_lease))
+}
+
+/// The parent lease a new lease is acquired under; it must be current.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ParentSpec {
+    pub id: String,
+    pub token: i64,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireRequest {
+    /// 1..=512 bytes of UTF-8 without control characters.
+    #[schema(example = "workspace/alpha")]
+    pub resource: String,
+    #[schema(example = "supervisor-1")]
+    pub holder: String,
+    /// 1000..=86400000; required unless `owner` is given.
+    #[schema(minimum = 1000, maximum = 86_400_000, example = 30000)]
+    pub ttl_ms: Option<i64>,
+    pub owner: Option<OwnerSpec>,
+    pub parent: Option<ParentSpec>,
+    /// Create the lease in state `reserved`, to be activated later.
+    #[serde(default)]
+    pub reserve: bool,
+    /// Wait up to this long (0..=60000) for a held lease to end.
+    #[schema(minimum = 0, maximum = 60000)]
+    pub wait_ms: Option<i64>,
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<Map<String, Value>>,
+}
+
+/// The acquired lease; `reclaimed` only when this acquire ended the previous one.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AcquireResponse {
+    #[serde(flatten)]
+    pub lease: LeaseView,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reclaimed: Option<Reclaimed>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    #[schema(minimum = 1)]
+    pub token: i64,
+    /// New TTL; defaults to the lease's current one.
+    #[schema(minimum = 1000, maximum = 86_400_000)]
+    pub ttl_ms: Option<i64>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ActivateRequest {
+    #[schema(minimum = 1)]
+    pub token: i64,
+    /// The process the active lease is bound to; keeps the reserved one's owner when absent.
+    pub owner: Option<OwnerSpec>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    #[schema(minimum = 1)]
+    pub token: i64,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BreakRequest {
+    /// Why the lease is broken; recorded as `broken:<reason>`.
+    pub reason: String,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// Exact resource name.
+    pub resource: Option<String>,
+    /// Resource prefix, matched literally.
+    pub prefix: Option<String>,
+    pub holder: Option<String>,
+    /// Id of the parent lease.
+    pub parent: Option<String>,
+    /// `current` (default), `ended` or `all`.
+    pub state: Option<StateFilter>,
+    /// 1..=1000, default 100.
+    #[param(minimum = 1, maximum = 1000)]
+    pub limit: Option<i64>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LeaseList {
+    pub items: Vec<LeaseView>,
+    /// Pass as `cursor` for the next page; null on the last page.
+    pub next_cursor: Option<String>,
+}
+
+pub const DEFAULT_LIMIT: i64 = 100;
+pub const MAX_LIMIT: i64 = 1000;
+
+fn view(state: &AppState, rec: crate::model::LeaseRecord) -> LeaseView {
+    let owner = rec.owner.as_ref().map(|o| state.leases.host().judge(o));
+    LeaseView::new(rec, owner, crate::time::now_ms())
+}
+
+/// Acquire a lease.
+#[utoipa::path(
+    post, path = "/v1/leases", tag = "leases",
+    request_body = AcquireRequest,
+    responses(
+        (status = 201, description = "Acquired (with `reclaimed` when it took over)", body = AcquireResponse,
+         headers(("Location" = String, description = "URL of the new lease"))),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`lease_held`, `owner_remote`, `owner_unverifiable`, `parent_fenced` or `identity_mismatch`", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Not JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`validation` or `process_not_found`", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`busy` or `unavailable`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn acquire(
+    State(state): State<AppState>,
+    Body(req): Body<AcquireRequest>,
+) -> Result<impl IntoResponse, ApiError> {
+    validate::text("resource", &req.resource, RESOURCE_MAX)?;
+    validate::text("holder", &req.holder, NAME_MAX)?;
+    if let Some(ttl) = req.ttl_ms {
+        validate::in_range("ttl_ms", ttl, TTL_MS)?;
+    } else if req.owner.is_none() {
+        return Err(ApiError::validation(
+            "ttl_ms",
+            "ttl_ms is required when no owner is given",
+        ));
+    }
+    let wait_ms = req.wait_ms.unwrap_or(0);
+    validate::in_range("wait_ms", wait_ms, WAIT_MS)?;
+    let parent = match req.parent {
+        Some(p) => {
+            validate::token("parent.token", p.token)?;
+            let id = uuid::Uuid::parse_str(&p.id).map_err(|_| {
+                ApiError::validation("parent.id", "parent.id must be a lease id (UUID)")
+            })?;
+            Some((id.hyphenated().to_string(), p.token))
+        }
+        None => None,
+    };
+    let metadata = validate::metadata(req.metadata)?;
+    let owner = req
+        .owner
+        .map(|o| resolve_owner(state.leases.host(), o, "owner"))
+        .transpose()?;
+    let cmd = Acquire {
+        resource: req.resource,
+        holder: req.holder,
+        ttl_ms: req.ttl_ms,
+        owner,
+        parent,
+        reserve: req.reserve,
+        metadata,
+    };
+    let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
+    let acquired = state.leases.acquire(cmd, wait).await?;
+    let location = format!("/v1/leases/{}", acquired.lease.id);
+    let body = AcquireResponse {
+        lease: acquired.lease,
+        reclaimed: acquired.reclaimed,
+    };
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(body),
+    ))
+}
+
+/// Get one lease, current or ended.
+#[utoipa::path(
+    get, path = "/v1/leases/{id}", tag = "leases",
+    params(("id" = String, Path, description = "Lease id")),
+    responses(
+        (status = 200, description = "The lease, its owner judged now", body = LeaseView),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn get_lease(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<LeaseView>, ApiError> {
+    let id = validate::id("lease", &id)?;
+    let rec = state.store.backend().get_lease(&id).await?;
+    let rec = rec.ok_or_else(|| ApiError::NotFound(format!("no lease with id {id}")))?;
+    Ok(Json(view(&state, rec)))
+}
+
+/// List leases, newest first.
+#[utoipa::path(
+    get, path = "/v1/leases", tag = "leases",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "A page of leases", body = LeaseList),
+        (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn list(
+    State(state): State<AppState>,
+    Params(q): Params<ListQuery>,
+) -> Result<Json<LeaseList>, ApiError> {
+    let limit = q.limit.unwrap_or(DEFAULT_LIMIT);
+    validate::in_range("limit", limit, 1..=MAX_LIMIT)?;
+    let before_id = match q.cursor {
+        Some(c) => Some(
+            uuid::Uuid::parse_str(&c)
+                .map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave"))?
+                .hyphenated()
+                .to_string(),
+        ),
+        None => None,
+    };
+    let filter = LeaseFilter {
+        resource: q.resource,
+        prefix: q.prefix,
+        holder: q.holder,
+        parent: q.parent,
+        state: q.state.unwrap_or_default(),
+        // One more than asked tells whether there is a next page.
+        limit: u32::try_from(limit + 1).unwrap_or(u32::MAX),
+        before_id,
+    };
+    let mut recs = state.store.backend().list_leases(&filter).await?;
+    let more = recs.len() > usize::try_from(limit).unwrap_or(usize::MAX);
+    recs.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+    let next_cursor = if more {
+        recs.last().map(|r| r.id.clone())
+    } else {
+        None
+    };
+    let items = recs.into_iter().map(|r| view(&state, r)).collect();
+    Ok(Json(LeaseList { items, next_cursor }))
+}
+
+/// Renew a lease: a new `expires_at` from now.
+#[utoipa::path(
+    post, path = "/v1/leases/{id}/renew", tag = "leases",
+    params(("id" = String, Path, description = "Lease id")),
+    request_body = RenewRequest,
+    responses(
+        (status = 200, description = "Renewed", body = LeaseView),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced` or `parent_fenced`", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn renew(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Body(req): Body<RenewRequest>,
+) -> Result<Json<LeaseView>, ApiError> {
+    let id = validate::id("lease", &id)?;
+    validate::token("token", req.token)?;
+    if let Some(ttl) = req.ttl_ms {
+        validate::in_range("ttl_ms", ttl, TTL_MS)?;
+    }
+    Ok(Json(state.leases.renew(id, req.token, req.ttl_ms).await?))
+}
+
+/// Activate a reserved lease, binding it to its owner; the token stays.
+#[utoipa::path(
+    post, path = "/v1/leases/{id}/activate", tag = "leases",
+    params(("id" = String, Path, description = "Lease id")),
+    request_body = ActivateRequest,
+    responses(
+        (status = 200, description = "Active", body = LeaseView),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`not_reserved`, `fenced`, `parent_fenced` or `identity_mismatch`", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`validation` or `process_not_found`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn activate(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Body(req): Body<ActivateRequest>,
+) -> Result<Json<LeaseView>, ApiError> {
+    let id = validate::id("lease", &id)?;
+    validate::token("token", req.token)?;
+    let owner = req
+        .owner
+        .map(|o| resolve_owner(state.leases.host(), o, "owner"))
+        .transpose()?;
+    Ok(Json(state.leases.activate(id, req.token, owner).await?))
+}
+
+/// Release a lease. Releasing it again with the same token answers 200 again.
+#[utoipa::path(
+    post, path = "/v1/leases/{id}/release", tag = "leases",
+    params(("id" = String, Path, description = "Lease id")),
+    request_body = ReleaseRequest,
+    responses(
+        (status = 200, description = "Released", body = LeaseView),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn release(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Body(req): Body<ReleaseRequest>,
+) -> Result<Json<LeaseView>, ApiError> {
+    let id = validate::id("lease", &id)?;
+    validate::token("token", req.token)?;
+    Ok(Json(state.leases.release(id, req.token).await?))
+}
+
+/// Break a current lease whatever its owner's status (admin only).
+#[utoipa::path(
+    post, path = "/v1/leases/{id}/break", tag = "leases",
+    params(("id" = String, Path, description = "Lease id")),
+    request_body = BreakRequest,
+    responses(
+        (status = 200, description = "Broken", body = LeaseView),
+        (status = 403, description = "Not an admin", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`: the lease has already ended", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn break_lease(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Body(req): Body<BreakRequest>,
+) -> Result<Json<LeaseView>, ApiError> {
+    let id = validate::id("lease", &id)?;
+    validate::text("reason", &req.reason, NAME_MAX)?;
+    // Until tokens exist (see the auth issue), every caller counts as admin.
+    let by = "admin".to_owned();
+    Ok(Json(state.leases.break_lease(id, req.reason, by).await?))
+}

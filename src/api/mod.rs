@@ -1,0 +1,106 @@
+//! HTTP only: routes, request and response types, problem errors. No SQL and
+//! no /proc here: handlers parse, call one function, and map the result.
+
+pub mod error;
+mod events;
+pub mod extract;
+mod leases;
+mod owner;
+mod service;
+mod validate;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use tower_http::catch_panic::CatchPanicLayer;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+
+use crate::leases::Leases;
+use crate::metrics::Metrics;
+use crate::store::Store;
+use error::ApiError;
+
+/// Request bodies over this are refused with 413.
+pub const BODY_LIMIT: usize = 64 * 1024;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub leases: Leases,
+    pub store: Store,
+    pub metrics: Arc<Metrics>,
+    pub openapi: Arc<String>,
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "holdfast",
+        description = "Exclusive leases with fencing tokens, a registry of managed processes, and port reservations.",
+        license(name = "MIT OR Apache-2.0", identifier = "MIT OR Apache-2.0")
+    ),
+    tags(
+        (name = "leases", description = "Exclusive, fenced ownership of named resources"),
+        (name = "events", description = "The ordered log of state changes"),
+        (name = "service", description = "Health, readiness, metrics and this document"),
+    )
+)]
+struct ApiDoc;
+
+fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .merge(leases::router())
+        .merge(events::router())
+        .merge(service::router())
+}
+
+/// The OpenAPI document, generated from the routes themselves.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    let mut doc = routes().split_for_parts().1;
+    doc.info.version = env!("CARGO_PKG_VERSION").to_owned();
+    doc
+}
+
+/// The OpenAPI document as served and checked in.
+pub fn openapi_json() -> String {
+    let mut text = openapi().to_pretty_json().unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+pub fn router(state: AppState) -> Router {
+    let (router, _) = routes().split_for_parts();
+    router
+        .fallback(|| async { ApiError::NotFound("no such path".into()) })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(middleware::from_fn_with_state(state.clone(), track))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(CatchPanicLayer::custom(|_| {
+            ApiError::Internal("a request handler panicked".into()).into_response()
+        }))
+        .with_state(state)
+}
+
+/// Count and time every request by its route template (low cardinality).
+async fn track(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = req.method().as_str().to_owned();
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_owned();
+    let res = next.run(req).await;
+    let status = res.status().as_u16();
+    state
+        .metrics
+        .request(&method, &route, status, started.elapsed().as_secs_f64());
+    if res.status().is_server_error() {
+        tracing::warn!(%method, %route, status, "request failed");
+    }
+    res
+}

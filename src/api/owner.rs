@@ -1,0 +1,68 @@
+//! `owner` members: a pid the server reads itself, or the calling process.
+
+use serde::Deserialize;
+use utoipa::ToSchema;
+
+use super::error::ApiError;
+use crate::host::{Host, ObserveError};
+use crate::model::Identity;
+
+/// `{"pid": 4242}` (optionally with the `start_time` the client saw), or
+/// `"caller"` over the Unix socket.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum OwnerSpec {
+    Caller(CallerKeyword),
+    Pid(OwnerPid),
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CallerKeyword {
+    Caller,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OwnerPid {
+    #[schema(minimum = 1, example = 4242)]
+    pub pid: i64,
+    /// The start time the client saw; the request fails with
+    /// `identity_mismatch` if the server reads another.
+    #[schema(example = "8879")]
+    pub start_time: Option<String>,
+}
+
+/// Read the identity of the process an `owner` member names, on this host.
+pub fn resolve_owner(host: &dyn Host, spec: OwnerSpec, field: &str) -> Result<Identity, ApiError> {
+    let p = match spec {
+        OwnerSpec::Caller(_) => {
+            return Err(ApiError::validation(
+                field,
+                "\"caller\" is only accepted over the Unix socket",
+            ));
+        }
+        OwnerSpec::Pid(p) => p,
+    };
+    let pid_field = format!("{field}.pid");
+    let pid = i32::try_from(p.pid)
+        .ok()
+        .filter(|pid| *pid > 0)
+        .ok_or_else(|| ApiError::validation(&pid_field, "pid must be a positive process id"))?;
+    let identity = host.observe(pid).map_err(|e| match e {
+        ObserveError::NotFound(_) => ApiError::ProcessNotFound {
+            field: pid_field.clone(),
+            pid: p.pid,
+        },
+        other => ApiError::OwnerUnverifiable(other.to_string()),
+    })?;
+    if let Some(seen) = p.start_time {
+        if seen != identity.start_time {
+            return Err(ApiError::IdentityMismatch(format!(
+                "pid {pid} now has start time {}, not {seen}: it is another process",
+                identity.start_time
+            )));
+        }
+    }
+    Ok(identity)
+}

@@ -1,0 +1,75 @@
+//! Health, readiness, metrics and the OpenAPI document.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use serde::Serialize;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics))
+        .routes(routes!(openapi_json))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    #[schema(example = "ok")]
+    pub status: &'static str,
+}
+
+/// 200 while the process serves.
+#[utoipa::path(get, path = "/healthz", tag = "service", responses((status = 200, body = Health)))]
+async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+/// 200 when the store is open, migrated and writable; 503 otherwise.
+#[utoipa::path(
+    get, path = "/readyz", tag = "service",
+    responses(
+        (status = 200, body = Health),
+        (status = 503, description = "`unavailable` or `busy`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, ApiError> {
+    state.store.backend().check_writable().await?;
+    Ok(Json(Health { status: "ok" }))
+}
+
+/// Prometheus text format.
+#[utoipa::path(
+    get, path = "/metrics", tag = "service",
+    responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
+)]
+async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
+    let current = state.store.backend().count_current_leases().await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(current),
+    ))
+}
+
+/// This document.
+#[utoipa::path(
+    get, path = "/openapi.json", tag = "service",
+    responses((status = 200, description = "The OpenAPI 3.1 document", body = Object))
+)]
+async fn openapi_json(State(state): State<AppState>) -> impl IntoResponse {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        state.openapi.as_ref().clone(),
+    )
+}

@@ -1,0 +1,102 @@
+//! Bounds on request members, each failure naming the member.
+
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+
+pub const RESOURCE_MAX: usize = 512;
+pub const NAME_MAX: usize = 256;
+pub const METADATA_MAX: usize = 16 * 1024;
+pub const TTL_MS: std::ops::RangeInclusive<i64> = 1_000..=86_400_000;
+pub const WAIT_MS: std::ops::RangeInclusive<i64> = 0..=60_000;
+
+/// A UTF-8 string of 1..=max bytes without control characters.
+pub fn text(field: &str, value: &str, max: usize) -> Result<(), ApiError> {
+    if value.is_empty() || value.len() > max {
+        return Err(ApiError::validation(
+            field,
+            format!("{field} must be 1 to {max} bytes"),
+        ));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(ApiError::validation(
+            field,
+            format!("{field} must not contain control characters"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn in_range(
+    field: &str,
+    value: i64,
+    range: std::ops::RangeInclusive<i64>,
+) -> Result<(), ApiError> {
+    if range.contains(&value) {
+        Ok(())
+    } else {
+        Err(ApiError::validation(
+            field,
+            format!(
+                "{field} must be between {} and {}",
+                range.start(),
+                range.end()
+            ),
+        ))
+    }
+}
+
+pub fn token(field: &str, value: i64) -> Result<(), ApiError> {
+    if value < 1 {
+        return Err(ApiError::validation(
+            field,
+            format!("{field} must be a positive integer"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn metadata(value: Option<Map<String, Value>>) -> Result<Map<String, Value>, ApiError> {
+    let map = value.unwrap_or_default();
+    let size = serde_json::to_vec(&map)
+        .map(|v| v.len())
+        .unwrap_or(usize::MAX);
+    if size > METADATA_MAX {
+        return Err(ApiError::validation(
+            "metadata",
+            format!("metadata must be at most {METADATA_MAX} bytes serialized"),
+        ));
+    }
+    Ok(map)
+}
+
+/// A lease or process id: ids are UUIDs, anything else names nothing.
+pub fn id(kind: &str, value: &str) -> Result<String, ApiError> {
+    uuid::Uuid::parse_str(value)
+        .map(|u| u.hyphenated().to_string())
+        .map_err(|_| ApiError::NotFound(format!("no {kind} with id {value:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_bounds_are_bytes_and_control_characters_are_refused() {
+        assert!(text("resource", "a", RESOURCE_MAX).is_ok());
+        assert!(text("resource", &"é".repeat(256), RESOURCE_MAX).is_ok());
+        assert!(text("resource", &"é".repeat(257), RESOURCE_MAX).is_err());
+        assert!(text("resource", "", RESOURCE_MAX).is_err());
+        assert!(text("holder", "a\u{7f}", NAME_MAX).is_err());
+        assert!(text("holder", "a\nb", NAME_MAX).is_err());
+        assert!(text("holder", "run/7", NAME_MAX).is_ok());
+    }
+
+    #[test]
+    fn ttl_range_is_inclusive() {
+        assert!(in_range("ttl_ms", 1_000, TTL_MS).is_ok());
+        assert!(in_range("ttl_ms", 86_400_000, TTL_MS).is_ok());
+        assert!(in_range("ttl_ms", 999, TTL_MS).is_err());
+        assert!(in_range("ttl_ms", 86_400_001, TTL_MS).is_err());
+    }
+}

@@ -1,0 +1,217 @@
+use std::fs;
+use std::io::ErrorKind;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+
+use rustix::process::{Pid, PidfdFlags, pidfd_open};
+
+use super::{Host, ObserveError};
+use crate::model::Identity;
+
+/// `statfs` magic of pidfs: only there is a pidfd's inode unique per process.
+const PIDFS_MAGIC: u64 = 0x5049_4446;
+
+/// What every identity recorded on this host shares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalFacts {
+    pub host_id: String,
+    pub boot_id: String,
+    pub pid_ns: String,
+    pub hostname: String,
+}
+
+impl LocalFacts {
+    /// Read this host's facts; `host_id` overrides `/etc/machine-id`.
+    pub fn read(host_id: Option<String>) -> std::io::Result<Self> {
+        let hostname = read_trimmed("/proc/sys/kernel/hostname")?;
+        let host_id = match host_id {
+            Some(id) => id,
+            None => read_trimmed("/etc/machine-id")
+                .ok()
+                .filter(|id| !id.is_empty())
+                .unwrap_or_else(|| hostname.clone()),
+        };
+        Ok(Self {
+            host_id,
+            boot_id: read_trimmed("/proc/sys/kernel/random/boot_id")?,
+            pid_ns: fs::metadata("/proc/self/ns/pid")?.ino().to_string(),
+            hostname,
+        })
+    }
+}
+
+fn read_trimmed(path: &str) -> std::io::Result<String> {
+    Ok(fs::read_to_string(path)?.trim().to_owned())
+}
+
+/// The real host: identities come from `/proc` and pidfds.
+pub struct ProcHost {
+    facts: LocalFacts,
+    proc_root: PathBuf,
+}
+
+impl ProcHost {
+    pub fn new(facts: LocalFacts) -> Self {
+        Self {
+            facts,
+            proc_root: PathBuf::from("/proc"),
+        }
+    }
+
+    fn stat(&self, pid: i32) -> Result<Stat, ObserveError> {
+        let path = self.proc_root.join(pid.to_string()).join("stat");
+        let text = fs::read_to_string(path).map_err(|e| map_io(pid, e))?;
+        let stat = Stat::parse(&text).ok_or_else(|| ObserveError::Unreadable {
+            pid,
+            source: std::io::Error::new(ErrorKind::InvalidData, "unparsable /proc/<pid>/stat"),
+        })?;
+        if stat.zombie {
+            return Err(ObserveError::NotFound(pid));
+        }
+        Ok(stat)
+    }
+}
+
+fn map_io(pid: i32, e: std::io::Error) -> ObserveError {
+    match e.kind() {
+        ErrorKind::NotFound => ObserveError::NotFound(pid),
+        ErrorKind::PermissionDenied => ObserveError::PermissionDenied(pid),
+        // ESRCH surfaces when the process exits while its files are read.
+        _ if e.raw_os_error() == Some(rustix::io::Errno::SRCH.raw_os_error()) => {
+            ObserveError::NotFound(pid)
+        }
+        _ => ObserveError::Unreadable { pid, source: e },
+    }
+}
+
+/// The fields of `/proc/<pid>/stat` that identify a process.
+#[derive(Debug, PartialEq, Eq)]
+struct Stat {
+    zombie: bool,
+    pgid: i32,
+    sid: i32,
+    start_time: String,
+}
+
+impl Stat {
+    /// Fields are counted after the last `)`, since the command name in
+    /// field 2 may itself contain spaces and parentheses.
+    fn parse(text: &str) -> Option<Self> {
+        let rest = &text[text.rfind(')')? + 1..];
+        let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
+        // fields[0] is field 3 (state); field N is fields[N - 3].
+        let state = *fields.first()?;
+        Some(Self {
+            zombie: matches!(state, "Z" | "X" | "x"),
+            pgid: fields.get(2)?.parse().ok()?,
+            sid: fields.get(3)?.parse().ok()?,
+            start_time: fields.get(19)?.parse::<u64>().ok()?.to_string(),
+        })
+    }
+}
+
+/// The pidfs inode of a pidfd for `pid`, or None where there is no pidfs.
+fn pidfd_inode(pid: i32) -> Result<Option<String>, ObserveError> {
+    let Some(p) = Pid::from_raw(pid) else {
+        return Err(ObserveError::NotFound(pid));
+    };
+    match pidfd_open(p, PidfdFlags::empty()) {
+        Ok(fd) => {
+            let on_pidfs = rustix::fs::fstatfs(&fd)
+                .is_ok_and(|s| u64::try_from(s.f_type).is_ok_and(|t| t == PIDFS_MAGIC));
+            if !on_pidfs {
+                return Ok(None);
+            }
+            let st = rustix::fs::fstat(&fd).map_err(|e| map_io(pid, e.into()))?;
+            Ok(Some(st.st_ino.to_string()))
+        }
+        Err(rustix::io::Errno::SRCH) => Err(ObserveError::NotFound(pid)),
+        Err(rustix::io::Errno::NOSYS | rustix::io::Errno::INVAL) => Ok(None),
+        Err(e) => Err(map_io(pid, e.into())),
+    }
+}
+
+impl Host for ProcHost {
+    fn local(&self) -> &LocalFacts {
+        &self.facts
+    }
+
+    fn observe(&self, pid: i32) -> Result<Identity, ObserveError> {
+        if pid <= 0 {
+            return Err(ObserveError::NotFound(pid));
+        }
+        // Read the start time on both sides of opening the pidfd: if they agree,
+        // the pidfd refers to the process whose start time we record.
+        for _ in 0..3 {
+            let before = self.stat(pid)?;
+            let inode = pidfd_inode(pid)?;
+            let after = self.stat(pid)?;
+            if before.start_time != after.start_time {
+                continue;
+            }
+            let dir = self.proc_root.join(pid.to_string());
+            let uid = fs::metadata(&dir).map_err(|e| map_io(pid, e))?.uid();
+            let executable = fs::read_link(dir.join("exe"))
+                .ok()
+                .map(|p| p.to_string_lossy().into_owned());
+            return Ok(Identity {
+                pid,
+                start_time: after.start_time,
+                pidfd_inode: inode,
+                boot_id: self.facts.boot_id.clone(),
+                host_id: self.facts.host_id.clone(),
+                pid_ns: self.facts.pid_ns.clone(),
+                hostname: self.facts.hostname.clone(),
+                executable,
+                uid: Some(uid),
+                pgid: Some(after.pgid),
+                sid: Some(after.sid),
+            });
+        }
+        Err(ObserveError::NotFound(pid))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Liveness;
+
+    #[test]
+    fn stat_parses_after_the_last_paren() {
+        let text = "4242 (we ird) (x) S 1 4242 4200 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 8879 1 1";
+        let s = Stat::parse(text).expect("parses");
+        assert_eq!(
+            s,
+            Stat {
+                zombie: false,
+                pgid: 4242,
+                sid: 4200,
+                start_time: "8879".into()
+            }
+        );
+    }
+
+    #[test]
+    fn zombie_state_is_flagged() {
+        let text = "7 (z) Z 1 7 7 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 55 0 0";
+        assert!(Stat::parse(text).expect("parses").zombie);
+    }
+
+    #[test]
+    fn truncated_stat_is_rejected() {
+        assert_eq!(Stat::parse("1 (init) S 0 1"), None);
+        assert_eq!(Stat::parse("garbage"), None);
+    }
+
+    #[test]
+    fn observes_itself_as_live() {
+        let host = ProcHost::new(LocalFacts::read(None).expect("facts"));
+        let me = host
+            .observe(std::process::id() as i32)
+            .expect("observe self");
+        assert_eq!(me.pid, std::process::id() as i32);
+        assert_eq!(host.judge(&me).status, Liveness::Live);
+        assert!(matches!(host.observe(-5), Err(ObserveError::NotFound(_))));
+    }
+}

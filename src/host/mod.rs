@@ -1,0 +1,35 @@
+//! The local machine as holdfast sees it: process identities read from /proc.
+//! Behind the `Host` trait so that tests can stage reused pids, reboots,
+//! remote owners and unreadable processes.
+
+mod identity;
+mod judge;
+
+pub use identity::{LocalFacts, ProcHost};
+pub use judge::judge;
+
+use crate::model::{Identity, Judgement};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ObserveError {
+    /// No such process, or only its zombie is left.
+    #[error("no process with pid {0} on this host")]
+    NotFound(i32),
+    #[error("permission denied reading process {0}")]
+    PermissionDenied(i32),
+    #[error("cannot read /proc for process {pid}: {source}")]
+    Unreadable { pid: i32, source: std::io::Error },
+}
+
+pub trait Host: Send + Sync + 'static {
+    /// Facts about this host that every identity is compared against.
+    fn local(&self) -> &LocalFacts;
+
+    /// Read the identity of `pid` as it is now.
+    fn observe(&self, pid: i32) -> Result<Identity, ObserveError>;
+
+    /// Judge a recorded identity now.
+    fn judge(&self, recorded: &Identity) -> Judgement {
+        judge(self.local(), recorded, || self.observe(recorded.pid))
+    }
+}

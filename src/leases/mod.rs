@@ -1,0 +1,237 @@
+//! Leases: the takeover rules (`rules`), the transaction scripts that apply
+//! them (`ops`), and `Leases`, which runs those scripts against the store and
+//! makes acquirers wait their turn.
+
+pub mod ops;
+pub mod rules;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::time::Instant;
+use utoipa::ToSchema;
+
+use crate::host::Host;
+use crate::metrics::Metrics;
+use crate::model::{Identity, LeaseView, Liveness};
+use crate::store::{Store, StoreError};
+use crate::time::now_ms;
+use crate::waiters::Waiters;
+use ops::Ctx;
+
+/// What an acquirer asks for, validated.
+#[derive(Debug, Clone)]
+pub struct Acquire {
+    pub resource: String,
+    pub holder: String,
+    pub ttl_ms: Option<i64>,
+    pub owner: Option<Identity>,
+    /// Parent lease id and the token the caller holds for it.
+    pub parent: Option<(String, i64)>,
+    pub reserve: bool,
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The lease an acquire ended to take over.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Reclaimed {
+    pub id: String,
+    pub token: i64,
+    /// The old lease's `end_reason`.
+    pub reason: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct Acquired {
+    pub lease: LeaseView,
+    pub reclaimed: Option<Reclaimed>,
+}
+
+/// A refusal the contract names; the store's state is still committed.
+#[derive(Debug, Clone)]
+pub enum LeaseError {
+    NotFound,
+    Held(Box<LeaseView>),
+    OwnerRemote(Box<LeaseView>),
+    OwnerUnverifiable(Box<LeaseView>),
+    ParentFenced(Option<Box<LeaseView>>),
+    Fenced(Box<LeaseView>),
+    NotReserved(Box<LeaseView>),
+}
+
+pub type Outcome<T> = Result<T, LeaseError>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("lease refused: {0:?}")]
+    Lease(LeaseError),
+}
+
+impl From<LeaseError> for Error {
+    fn from(e: LeaseError) -> Self {
+        Self::Lease(e)
+    }
+}
+
+/// Runs lease mutations: each one job in one write transaction.
+#[derive(Clone)]
+pub struct Leases {
+    store: Store,
+    host: Arc<dyn Host>,
+    waiters: Arc<Waiters>,
+    metrics: Arc<Metrics>,
+}
+
+macro_rules! run {
+    ($self:ident, $durable:expr, |$tx:ident, $cx:ident| $body:expr) => {{
+        let host = $self.host.clone();
+        $self
+            .store
+            .write($durable, move |$tx| {
+                Box::pin(async move {
+                    let $cx = Ctx {
+                        host: host.as_ref(),
+                        now: now_ms(),
+                    };
+                    $body.await
+                })
+            })
+            .await
+    }};
+}
+
+impl Leases {
+    pub fn new(
+        store: Store,
+        host: Arc<dyn Host>,
+        waiters: Arc<Waiters>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            store,
+            host,
+            waiters,
+            metrics,
+        }
+    }
+
+    pub fn host(&self) -> &dyn Host {
+        self.host.as_ref()
+    }
+
+    async fn try_acquire(&self, cmd: Acquire) -> Result<Outcome<Acquired>, StoreError> {
+        let out = run!(self, true, |tx, cx| ops::acquire(tx, cx, cmd))?;
+        match &out {
+            Ok(a) => {
+                self.metrics
+                    .acquired(a.reclaimed.as_ref().map(|r| r.reason.as_str()));
+            }
+            Err(e) => self.metrics.lease_refused(e),
+        }
+        Ok(out)
+    }
+
+    /// Acquire, waiting up to `wait` (first come, first served) while the
+    /// answer is `lease_held`. Waiters are woken by the end of the lease itself,
+    /// or at the holder's expiry when only its TTL can end it.
+    pub async fn acquire(&self, cmd: Acquire, wait: Duration) -> Result<Acquired, Error> {
+        let deadline = Instant::now() + wait;
+        let mut ticket = None;
+        loop {
+            let seen = self.waiters.ends_seen();
+            let holder = match self.try_acquire(cmd.clone()).await? {
+                Ok(acquired) => {
+                    if let Some(t) = ticket {
+                        crate::waiters::Ticket::acquired(t);
+                    }
+                    return Ok(acquired);
+                }
+                Err(LeaseError::Held(holder)) if Instant::now() < deadline => holder,
+                Err(e) => return Err(e.into()),
+            };
+            let t = ticket.get_or_insert_with(|| self.waiters.enqueue(&cmd.resource, seen));
+            let mut until = deadline;
+            if t.is_head() {
+                if let Some(at) = ttl_only_expiry(&holder) {
+                    let left = u64::try_from(at - now_ms() + 1).unwrap_or(0);
+                    until = until.min(Instant::now() + Duration::from_millis(left));
+                }
+            }
+            tokio::select! {
+                () = t.woken() => {}
+                () = tokio::time::sleep_until(until) => {}
+            }
+        }
+    }
+
+    pub async fn renew(
+        &self,
+        id: String,
+        token: i64,
+        ttl_ms: Option<i64>,
+    ) -> Result<LeaseView, Error> {
+        // Renewals need not reach the disk one by one (see store::sqlite).
+        let durable = !self.store.backend().relaxed_renewals();
+        let out = run!(self, durable, |tx, cx| ops::renew(
+            tx, cx, &id, token, ttl_ms
+        ))?;
+        self.finish(out)
+    }
+
+    pub async fn activate(
+        &self,
+        id: String,
+        token: i64,
+        owner: Option<Identity>,
+    ) -> Result<LeaseView, Error> {
+        let out = run!(self, true, |tx, cx| ops::activate(
+            tx, cx, &id, token, owner
+        ))?;
+        self.finish(out)
+    }
+
+    pub async fn release(&self, id: String, token: i64) -> Result<LeaseView, Error> {
+        let out = run!(self, true, |tx, cx| ops::release(tx, cx, &id, token))?;
+        self.finish(out)
+    }
+
+    pub async fn break_lease(
+        &self,
+        id: String,
+        reason: String,
+        by: String,
+    ) -> Result<LeaseView, Error> {
+        let out = run!(self, true, |tx, cx| ops::break_lease(
+            tx, cx, &id, reason, by
+        ))?;
+        self.finish(out)
+    }
+
+    /// The reconciler's pass over one lease; Some when it ended it.
+    pub async fn reconcile(&self, id: String) -> Result<Option<LeaseView>, StoreError> {
+        let ended = run!(self, true, |tx, cx| ops::reconcile(tx, cx, &id))?;
+        if let Some(l) = &ended {
+            self.metrics
+                .ended_by_reconciler(l.end_reason.as_deref().unwrap_or(""));
+        }
+        Ok(ended)
+    }
+
+    fn finish<T>(&self, out: Outcome<T>) -> Result<T, Error> {
+        out.map_err(|e| {
+            self.metrics.lease_refused(&e);
+            e.into()
+        })
+    }
+}
+
+/// When only the TTL can end `holder` (no owner, or a remote one), its expiry.
+fn ttl_only_expiry(holder: &LeaseView) -> Option<i64> {
+    match holder.owner_status {
+        None | Some(Liveness::Remote) => holder.expires_at,
+        Some(_) => None,
+    }
+}

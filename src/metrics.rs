@@ -1,0 +1,157 @@
+//! Prometheus metrics, kept apart from the code they count.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::leases::LeaseError;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Code {
+    code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Request {
+    method: String,
+    route: String,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Route {
+    method: String,
+    route: String,
+}
+
+type Histo = Family<Route, Histogram, fn() -> Histogram>;
+
+pub struct Metrics {
+    registry: Registry,
+    current_leases: Gauge,
+    acquisitions: Counter,
+    takeovers: Family<Reason, Counter>,
+    conflicts: Family<Code, Counter>,
+    requests: Family<Request, Counter>,
+    latency: Histo,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs .. ~1.6 s
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("holdfast");
+        let m = Self {
+            current_leases: Gauge::default(),
+            acquisitions: Counter::default(),
+            takeovers: Family::default(),
+            conflicts: Family::default(),
+            requests: Family::default(),
+            latency: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "leases_current",
+            "Current (reserved or active) leases",
+            m.current_leases.clone(),
+        );
+        registry.register(
+            "lease_acquisitions",
+            "Leases acquired",
+            m.acquisitions.clone(),
+        );
+        registry.register(
+            "lease_takeovers",
+            "Leases ended so that another could take over, or by the reconciler, by end reason",
+            m.takeovers.clone(),
+        );
+        registry.register(
+            "lease_conflicts",
+            "Lease requests refused, by error code",
+            m.conflicts.clone(),
+        );
+        registry.register(
+            "http_requests",
+            "HTTP requests by route and status",
+            m.requests.clone(),
+        );
+        registry.register(
+            "http_request_duration_seconds",
+            "HTTP request latency by route",
+            m.latency.clone(),
+        );
+        Self { registry, ..m }
+    }
+}
+
+/// Collapse `owner_dead:pid_absent` and `broken:<free text>` into bounded labels.
+fn reason_label(reason: &str) -> String {
+    if reason.starts_with("broken:") {
+        "broken".into()
+    } else {
+        reason.to_owned()
+    }
+}
+
+impl Metrics {
+    pub fn acquired(&self, took_over: Option<&str>) {
+        self.acquisitions.inc();
+        if let Some(reason) = took_over {
+            self.takeovers
+                .get_or_create(&Reason {
+                    reason: reason_label(reason),
+                })
+                .inc();
+        }
+    }
+
+    pub fn ended_by_reconciler(&self, reason: &str) {
+        self.takeovers
+            .get_or_create(&Reason {
+                reason: reason_label(reason),
+            })
+            .inc();
+    }
+
+    pub fn lease_refused(&self, e: &LeaseError) {
+        let code = crate::api::error::lease_code(e);
+        self.conflicts.get_or_create(&Code { code }).inc();
+    }
+
+    pub fn request(&self, method: &str, route: &str, status: u16, seconds: f64) {
+        let (method, route) = (method.to_owned(), route.to_owned());
+        self.latency
+            .get_or_create(&Route {
+                method: method.clone(),
+                route: route.clone(),
+            })
+            .observe(seconds);
+        self.requests
+            .get_or_create(&Request {
+                method,
+                route,
+                status,
+            })
+            .inc();
+    }
+
+    /// The text exposition, with `current_leases` as counted just now.
+    pub fn render(&self, current_leases: i64) -> String {
+        self.current_leases.set(current_leases);
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

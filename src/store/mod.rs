@@ -1,0 +1,121 @@
+//! Persistence behind one interface. Mutations run as jobs inside a write
+//! transaction (`Store::write`); each job sees a `Tx` and nothing else, so
+//! the rules in `leases` never know which database is behind them.
+
+pub mod sqlite;
+
+use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::model::{EventRow, LeaseFilter, LeaseRecord};
+use crate::time::Millis;
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// A storage failure, with the driver hidden.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    /// Locked past the busy timeout, or no connection free: retry later.
+    #[error("the store is busy")]
+    Busy,
+    /// The store cannot be written (disk full, read-only, database down).
+    #[error("the store is unavailable: {0}")]
+    Unavailable(String),
+    #[error("store error: {0}")]
+    Other(String),
+}
+
+/// What a committed transaction means for in-memory waiters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// A lease on this resource ended: wake those waiting to acquire it.
+    LeaseEnded(String),
+    /// An event with this seq was appended.
+    Event(i64),
+}
+
+/// The operations a mutation may use inside its transaction.
+pub trait Tx: Send {
+    fn lease<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
+    fn current_lease<'a>(
+        &'a mut self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
+    /// Allocate the next fencing token of `resource`; persisted with the transaction.
+    fn next_token<'a>(&'a mut self, resource: &'a str) -> BoxFuture<'a, Result<i64>>;
+    fn insert_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>>;
+    /// Overwrite the mutable fields of the lease with `lease.id`.
+    fn update_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>>;
+    /// Append an event; `body` is its JSON object without `seq`. Returns the seq.
+    fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<i64>>;
+    fn set_meta<'a>(&'a mut self, key: &'a str, value: &'a str) -> BoxFuture<'a, Result<()>>;
+    /// Run `effect` once the transaction has committed.
+    fn after_commit(&mut self, effect: Effect);
+    /// This transaction must reach stable storage before it is answered,
+    /// even if it began as a non-durable one (a renewal that ends a lease).
+    fn require_durable(&mut self);
+}
+
+pub type JobOutput = Box<dyn Any + Send>;
+pub type JobFn = Box<dyn for<'t> FnOnce(&'t mut dyn Tx) -> BoxFuture<'t, Result<JobOutput>> + Send>;
+
+/// Receives the effects of each committed transaction.
+pub trait CommitListener: Send + Sync + 'static {
+    fn committed(&self, effects: &[Effect]);
+}
+
+/// One storage backend.
+pub trait Backend: Send + Sync + 'static {
+    /// Run `job` in a write transaction. `durable`: the commit must reach
+    /// stable storage before the answer (false only for renewals).
+    fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>>;
+    fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
+    fn list_leases<'a>(
+        &'a self,
+        filter: &'a LeaseFilter,
+    ) -> BoxFuture<'a, Result<Vec<LeaseRecord>>>;
+    /// Current leases the reconciler must judge: owned ones, and those whose TTL passed.
+    fn leases_to_reconcile(&self, now: Millis) -> BoxFuture<'_, Result<Vec<LeaseRecord>>>;
+    fn count_current_leases(&self) -> BoxFuture<'_, Result<i64>>;
+    fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>>;
+    fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>>;
+    /// A small write that proves the store is open, migrated and writable.
+    fn check_writable(&self) -> BoxFuture<'_, Result<()>>;
+    fn close(&self) -> BoxFuture<'_, ()>;
+    /// Whether renewals may be answered before they reach stable storage
+    /// (a single-host store that extends TTLs after a crash instead).
+    fn relaxed_renewals(&self) -> bool;
+}
+
+/// The store the service uses: a backend plus typed helpers.
+#[derive(Clone)]
+pub struct Store {
+    backend: std::sync::Arc<dyn Backend>,
+}
+
+impl Store {
+    pub fn new(backend: std::sync::Arc<dyn Backend>) -> Self {
+        Self { backend }
+    }
+
+    /// Run `f` in a write transaction and return what it returns, once committed.
+    pub async fn write<R, F>(&self, durable: bool, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: for<'t> FnOnce(&'t mut dyn Tx) -> BoxFuture<'t, Result<R>> + Send + 'static,
+    {
+        let job: JobFn = Box::new(move |tx| {
+            Box::pin(async move { f(tx).await.map(|r| Box::new(r) as JobOutput) })
+        });
+        let out = self.backend.write(durable, job).await?;
+        out.downcast::<R>()
+            .map(|b| *b)
+            .map_err(|_| StoreError::Other("job output of unexpected type".into()))
+    }
+
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
+    }
+}
