@@ -23,18 +23,18 @@ fn is_json(content_type: &str) -> bool {
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
-/// serde reports unknown and missing members at their parent's path; name
-/// the member itself, which is what a client needs to fix.
+/// serde reports a missing member at its parent's path (and an unknown one
+/// at its own): name the member itself, which is what a client must fix.
 fn member_path(path: &str, message: &str) -> String {
-    let named = ["unknown field `", "missing field `"]
-        .iter()
-        .find_map(|p| message.split_once(p))
-        .and_then(|(_, rest)| rest.split('`').next());
-    match (path, named) {
-        (".", Some(name)) => name.to_owned(),
-        (parent, Some(name)) => format!("{parent}.{name}"),
-        (".", None) => String::new(),
-        (path, None) => path.to_owned(),
+    let path = if path == "." { "" } else { path };
+    let Some((_, rest)) = message.split_once("missing field `") else {
+        return path.to_owned();
+    };
+    let name = rest.split('`').next().unwrap_or_default();
+    if path.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{path}.{name}")
     }
 }
 
@@ -112,15 +112,14 @@ mod tests {
 
     #[test]
     fn unknown_and_missing_members_are_named() {
-        assert_eq!(
-            member_path(".", "unknown field `bogus`, expected one of `a`"),
-            "bogus"
-        );
-        assert_eq!(
-            member_path("owner", "unknown field `x`, expected `pid`"),
-            "owner.x"
-        );
+        let unknown = "unknown field `bogus`, expected one of `a`";
+        assert_eq!(member_path("bogus", unknown), "bogus");
+        assert_eq!(member_path("owner.x", "unknown field `x`"), "owner.x");
         assert_eq!(member_path(".", "missing field `holder`"), "holder");
+        assert_eq!(
+            member_path("parent", "missing field `token`"),
+            "parent.token"
+        );
         assert_eq!(member_path("ttl_ms", "invalid type: string"), "ttl_ms");
     }
 }

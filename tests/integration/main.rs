@@ -1,1 +1,10 @@
+//! The one integration-test binary: each file is a module.
 
+mod errors;
+mod leases;
+mod owners;
+mod races;
+mod restart;
+mod service;
+mod support;
+mod waiting;

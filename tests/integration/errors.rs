@@ -1,0 +1,210 @@
+//! Every refusal is problem JSON with the contract's status and code.
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::Server;
+
+#[tokio::test]
+async fn bodies_that_are_not_json_objects_are_refused() {
+    let s = Server::start().await;
+    let cases: &[(Option<&str>, &[u8], StatusCode, &str)] = &[
+        (
+            None,
+            br#"{"resource":"a","holder":"h","ttl_ms":5000}"#,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        ),
+        (
+            Some("text/plain"),
+            br#"{"resource":"a"}"#,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        ),
+        (
+            Some("application/json"),
+            b"{\"resource\":",
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+        ),
+        (
+            Some("application/json"),
+            b"[1,2]",
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+        ),
+        (
+            Some("application/json"),
+            b"\"x\"",
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+        ),
+        (
+            Some("application/json"),
+            b"",
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+        ),
+    ];
+    for (ct, body, status, code) in cases {
+        let r = s.post_raw("/v1/leases", *ct, body.to_vec()).await;
+        assert_eq!(
+            r.status,
+            *status,
+            "{ct:?} {}",
+            String::from_utf8_lossy(body)
+        );
+        assert_eq!(r.code(), *code);
+        assert_eq!(r.headers["content-type"], "application/problem+json");
+        assert_eq!(r.body["type"], "about:blank");
+        assert_eq!(r.body["status"], status.as_u16());
+        assert!(r.body["title"].is_string() && r.body["detail"].is_string());
+    }
+    let big = format!(
+        r#"{{"resource":"a","holder":"h","ttl_ms":5000,"metadata":{{"x":"{}"}}}}"#,
+        "a".repeat(70_000)
+    );
+    let r = s
+        .post_raw("/v1/leases", Some("application/json"), big.into_bytes())
+        .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(r.code(), "payload_too_large");
+}
+
+#[tokio::test]
+async fn invalid_members_are_422_validation_naming_the_field() {
+    let s = Server::start().await;
+    let long = "x".repeat(513);
+    let big_meta: String = "m".repeat(17 * 1024);
+    let cases = [
+        (json!({"holder": "h", "ttl_ms": 5000}), "resource"),
+        (json!({"resource": "a", "ttl_ms": 5000}), "holder"),
+        (json!({"resource": "a", "holder": "h"}), "ttl_ms"),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 999}),
+            "ttl_ms",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 86_400_001}),
+            "ttl_ms",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": "5000"}),
+            "ttl_ms",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 1e30}),
+            "ttl_ms",
+        ),
+        (
+            json!({"resource": "", "holder": "h", "ttl_ms": 5000}),
+            "resource",
+        ),
+        (
+            json!({"resource": long, "holder": "h", "ttl_ms": 5000}),
+            "resource",
+        ),
+        (
+            json!({"resource": "a\u{7f}", "holder": "h", "ttl_ms": 5000}),
+            "resource",
+        ),
+        (
+            json!({"resource": "a", "holder": "h\n", "ttl_ms": 5000}),
+            "holder",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 5000, "wait_ms": 60_001}),
+            "wait_ms",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 5000, "extra": 1}),
+            "extra",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 5000, "metadata": [1]}),
+            "metadata",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 5000, "metadata": {"x": big_meta}}),
+            "metadata",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "owner": {"pid": 0}}),
+            "owner.pid",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "owner": {"pid": 1, "x": 2}}),
+            "owner",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 5000, "parent": {"id": "nope", "token": 1}}),
+            "parent.id",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "ttl_ms": 5000, "parent": {"id": "0193a6c5-6a4c-7d6e-8f00-000000000000"}}),
+            "parent.token",
+        ),
+    ];
+    for (body, field) in cases {
+        let r = s.acquire(body.clone()).await;
+        assert_eq!(
+            r.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{body}: {}",
+            r.body
+        );
+        assert_eq!(r.code(), "validation", "{body}");
+        assert_eq!(r.body["field"], field, "{body}: {}", r.body);
+    }
+    let lease = s.acquire_ok("a", "h").await;
+    let id = lease["id"].as_str().expect("id");
+    for (op, body, field) in [
+        ("renew", json!({}), "token"),
+        ("renew", json!({"token": 0}), "token"),
+        ("renew", json!({"token": 1, "ttl_ms": 10}), "ttl_ms"),
+        ("release", json!({"token": "1"}), "token"),
+        ("break", json!({"reason": ""}), "reason"),
+        (
+            "activate",
+            json!({"token": 1, "owner": {"pid": -4}}),
+            "owner.pid",
+        ),
+    ] {
+        let r = s.lease_op(id, op, body.clone()).await;
+        assert_eq!(
+            r.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{op} {body}: {}",
+            r.body
+        );
+        assert_eq!(r.body["field"], field, "{op} {body}");
+    }
+    assert_eq!(
+        s.lease(id).await["state"],
+        "active",
+        "nothing was changed by refused requests"
+    );
+}
+
+#[tokio::test]
+async fn unknown_ids_and_paths_are_404() {
+    let s = Server::start().await;
+    for path in [
+        "/v1/leases/0193a6c5-6a4c-7d6e-8f00-000000000000",
+        "/v1/leases/not-a-uuid",
+        "/v1/nothing",
+    ] {
+        let r = s.get(path).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{path}");
+        assert_eq!(r.code(), "not_found");
+    }
+    let r = s
+        .lease_op(
+            "0193a6c5-6a4c-7d6e-8f00-000000000000",
+            "release",
+            json!({"token": 1}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.code(), "not_found");
+}

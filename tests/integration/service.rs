@@ -1,0 +1,116 @@
+//! Health, readiness, metrics and the OpenAPI document.
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::Server;
+
+#[tokio::test]
+async fn health_and_readiness() {
+    let s = Server::start().await;
+    let h = s.get("/healthz").await;
+    assert_eq!(
+        (h.status, h.body.clone()),
+        (StatusCode::OK, json!({"status": "ok"}))
+    );
+    let r = s.get("/readyz").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
+        .args(["healthcheck", "--url", &s.base])
+        .output()
+        .await
+        .expect("healthcheck");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test]
+async fn healthcheck_fails_when_nothing_listens() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
+        .args(["healthcheck", "--url", &format!("http://127.0.0.1:{port}")])
+        .output()
+        .await
+        .expect("healthcheck");
+    assert!(!out.status.success());
+}
+
+#[tokio::test]
+async fn metrics_count_acquisitions_conflicts_and_requests() {
+    let s = Server::start().await;
+    s.acquire_ok("m", "a").await;
+    let _ = s
+        .acquire(json!({"resource": "m", "holder": "b", "ttl_ms": 5000}))
+        .await;
+    let res = s
+        .client
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(
+        res.headers()["content-type"]
+            .to_str()
+            .expect("ct")
+            .starts_with("text/plain")
+    );
+    let text = res.text().await.expect("text");
+    for needle in [
+        "holdfast_leases_current 1",
+        "holdfast_lease_acquisitions_total 1",
+        "holdfast_lease_conflicts_total{code=\"lease_held\"} 1",
+        "holdfast_http_requests_total{method=\"POST\",route=\"/v1/leases\",status=\"201\"} 1",
+        "holdfast_http_request_duration_seconds_bucket",
+    ] {
+        assert!(text.contains(needle), "missing {needle} in\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn served_openapi_document_is_the_checked_in_one() {
+    let s = Server::start().await;
+    let served = s
+        .client
+        .get(s.url("/openapi.json"))
+        .send()
+        .await
+        .expect("get")
+        .text()
+        .await
+        .expect("text");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/openapi/openapi.json");
+    let checked_in = std::fs::read_to_string(path).expect("openapi/openapi.json");
+    assert!(
+        served == checked_in,
+        "openapi/openapi.json is out of date: run `cargo run -- openapi > openapi/openapi.json`"
+    );
+    let doc: serde_json::Value = serde_json::from_str(&served).expect("json");
+    assert!(
+        doc["openapi"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("3.1"))
+    );
+    for path in [
+        "/v1/leases",
+        "/v1/leases/{id}",
+        "/v1/leases/{id}/renew",
+        "/v1/leases/{id}/activate",
+        "/v1/leases/{id}/release",
+        "/v1/leases/{id}/break",
+        "/v1/events",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/openapi.json",
+    ] {
+        assert!(doc["paths"][path].is_object(), "{path} is documented");
+    }
+}

@@ -1,0 +1,257 @@
+//! A real holdfast server per test: the built binary, an ephemeral port, its
+//! own data directory, and one helper per endpoint.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub struct Server {
+    child: Child,
+    pub base: String,
+    pub client: reqwest::Client,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub body: Value,
+    pub headers: reqwest::header::HeaderMap,
+}
+
+impl Reply {
+    pub fn code(&self) -> &str {
+        self.body["code"].as_str().unwrap_or("")
+    }
+}
+
+impl Server {
+    /// A server with a fresh data directory and a fast reconciler.
+    pub async fn start() -> Self {
+        Self::start_with(&["--reconcile-interval-ms", "100"]).await
+    }
+
+    pub async fn start_with(args: &[&str]) -> Self {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().to_path_buf();
+        let mut s = Self::start_in(&dir, args).await;
+        s._tmp = Some(tmp);
+        s
+    }
+
+    /// A server on `dir`, which outlives it (for restarts).
+    pub async fn start_in(dir: &Path, args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_holdfast"))
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir)
+            .args(args)
+            .env("HOLDFAST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn holdfast");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // Read the log until the listening line, then keep draining it so the
+        // server never blocks on a full pipe.
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            let mut tx = Some(tx);
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(addr) = line.split("addr=").nth(1) {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr.trim().to_owned());
+                    }
+                }
+                if std::env::var_os("HOLDFAST_TEST_LOG").is_some() {
+                    eprintln!("server: {line}");
+                }
+            }
+        });
+        let addr = tokio::time::timeout(Duration::from_secs(30), rx)
+            .await
+            .expect("server did not start listening within 30 s")
+            .expect("server exited before listening");
+        Self {
+            child,
+            base: format!("http://{addr}"),
+            client: reqwest::Client::builder()
+                .pool_max_idle_per_host(128)
+                .build()
+                .expect("client"),
+            _tmp: None,
+        }
+    }
+
+    /// SIGKILL the server and reap it: no chance to flush or clean up.
+    pub async fn kill9(mut self) -> Option<tempfile::TempDir> {
+        self.child.start_kill().expect("kill");
+        self.child.wait().await.expect("reap");
+        self._tmp.take()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    async fn reply(res: reqwest::Response) -> Reply {
+        let status = res.status();
+        let headers = res.headers().clone();
+        let text = res.text().await.expect("body");
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Reply {
+            status,
+            body,
+            headers,
+        }
+    }
+
+    pub async fn get(&self, path: &str) -> Reply {
+        Self::reply(self.client.get(self.url(path)).send().await.expect("GET")).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Reply {
+        Self::reply(
+            self.client
+                .post(self.url(path))
+                .json(&body)
+                .send()
+                .await
+                .expect("POST"),
+        )
+        .await
+    }
+
+    pub async fn post_raw(&self, path: &str, content_type: Option<&str>, body: Vec<u8>) -> Reply {
+        let mut req = self.client.post(self.url(path)).body(body);
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        Self::reply(req.send().await.expect("POST")).await
+    }
+
+    pub async fn acquire(&self, body: Value) -> Reply {
+        self.post("/v1/leases", body).await
+    }
+
+    /// Acquire `resource` with a TTL and expect success.
+    pub async fn acquire_ok(&self, resource: &str, holder: &str) -> Value {
+        let r = self
+            .acquire(json!({"resource": resource, "holder": holder, "ttl_ms": 60_000}))
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        r.body
+    }
+
+    pub async fn lease(&self, id: &str) -> Value {
+        let r = self.get(&format!("/v1/leases/{id}")).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        r.body
+    }
+
+    pub async fn lease_op(&self, id: &str, op: &str, body: Value) -> Reply {
+        self.post(&format!("/v1/leases/{id}/{op}"), body).await
+    }
+
+    /// Every event from the start, paging through.
+    pub async fn all_events(&self) -> Vec<Value> {
+        let mut out: Vec<Value> = Vec::new();
+        loop {
+            let after = out.last().map_or(0, |e| e["seq"].as_i64().expect("seq"));
+            let r = self
+                .get(&format!("/v1/events?after={after}&limit=1000"))
+                .await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+            let items = r.body["items"].as_array().expect("items").clone();
+            if items.is_empty() {
+                return out;
+            }
+            out.extend(items);
+        }
+    }
+
+    /// Poll GET `path` until `pred` holds: for state that changes with the
+    /// passage of time (TTL expiry), which no event announces to a client.
+    pub async fn eventually(
+        &self,
+        path: &str,
+        within: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let r = self.get(path).await;
+            if pred(&r.body) {
+                return r.body;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "condition not met within {within:?}: {}",
+                r.body
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+/// A real child process to own leases: `sleep`, in its own process group.
+pub struct Proc {
+    pub child: Child,
+}
+
+impl Proc {
+    pub fn sleep() -> Self {
+        let child = Command::new("sleep")
+            .arg("600")
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn sleep");
+        Self { child }
+    }
+
+    pub fn pid(&self) -> i64 {
+        i64::from(self.child.id().expect("running"))
+    }
+
+    /// SIGKILL and reap it, so its pid is really gone.
+    pub async fn kill_and_reap(&mut self) {
+        self.child.start_kill().expect("kill");
+        self.child.wait().await.expect("reap");
+    }
+}
+
+/// The set of top-level members every lease shows, null or not.
+pub const LEASE_MEMBERS: &[&str] = &[
+    "id",
+    "resource",
+    "token",
+    "holder",
+    "state",
+    "owner",
+    "owner_status",
+    "owner_status_reason",
+    "parent",
+    "ttl_ms",
+    "expires_at",
+    "stale",
+    "acquired_at",
+    "renewed_at",
+    "ended_at",
+    "end_reason",
+    "metadata",
+];
+
+pub fn assert_lease_shape(lease: &Value) {
+    let obj = lease.as_object().expect("lease object");
+    for m in LEASE_MEMBERS {
+        assert!(obj.contains_key(*m), "lease lacks {m}: {lease}");
+    }
+}

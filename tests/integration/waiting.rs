@@ -1,0 +1,123 @@
+//! `wait_ms`: a held lease is waited for, woken by its end, not by polling.
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::Server;
+
+#[tokio::test]
+async fn a_waiter_gets_the_lease_as_soon_as_it_is_released() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let held = s.acquire_ok("w", "first").await;
+    let waiter = {
+        let client = s.client.clone();
+        let url = s.url("/v1/leases");
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let r = client
+                .post(url)
+                .json(&json!({"resource": "w", "holder": "second", "ttl_ms": 5000, "wait_ms": 30_000}))
+                .send()
+                .await
+                .expect("send");
+            (
+                r.status(),
+                r.json::<serde_json::Value>().await.expect("json"),
+                started.elapsed(),
+            )
+        })
+    };
+    // Let the waiter queue up: its request is in flight once the server counts it.
+    s.eventually("/metrics", Duration::from_secs(5), |m| {
+        m.as_str()
+            .is_some_and(|t| t.contains("code=\"lease_held\""))
+    })
+    .await;
+    let id = held["id"].as_str().expect("id");
+    assert_eq!(
+        s.lease_op(id, "release", json!({"token": 1})).await.status,
+        StatusCode::OK
+    );
+    let (status, body, elapsed) = waiter.await.expect("waiter");
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["token"], 2);
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "woken by the release, not the wait's end: {elapsed:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_waiter_takes_over_an_ownerless_lease_at_its_expiry_without_the_reconciler() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let held = s
+        .acquire(json!({"resource": "x", "holder": "first", "ttl_ms": 1000}))
+        .await
+        .body;
+    let r = s
+        .acquire(json!({"resource": "x", "holder": "second", "ttl_ms": 5000, "wait_ms": 20_000}))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(r.body["reclaimed"]["id"], held["id"]);
+    assert_eq!(r.body["reclaimed"]["reason"], "ttl_expired");
+}
+
+#[tokio::test]
+async fn a_wait_that_runs_out_answers_lease_held() {
+    let s = Server::start().await;
+    s.acquire_ok("y", "first").await;
+    let started = Instant::now();
+    let r = s
+        .acquire(json!({"resource": "y", "holder": "second", "ttl_ms": 5000, "wait_ms": 300}))
+        .await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.code(), "lease_held");
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn many_waiters_each_get_the_lease_once_in_turn() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let n = 16;
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let client = s.client.clone();
+        let base = s.base.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = client
+                .post(format!("{base}/v1/leases"))
+                .json(&json!({"resource": "q", "holder": format!("w{i}"), "ttl_ms": 30_000, "wait_ms": 30_000}))
+                .send()
+                .await
+                .expect("send");
+            assert_eq!(r.status(), StatusCode::CREATED);
+            let lease: serde_json::Value = r.json().await.expect("json");
+            let id = lease["id"].as_str().expect("id").to_owned();
+            let token = lease["token"].as_i64().expect("token");
+            let rel = client
+                .post(format!("{base}/v1/leases/{id}/release"))
+                .json(&json!({"token": token}))
+                .send()
+                .await
+                .expect("send");
+            assert_eq!(rel.status(), StatusCode::OK);
+            token
+        }));
+    }
+    let mut tokens = Vec::new();
+    for t in tasks {
+        tokens.push(t.await.expect("waiter"));
+    }
+    tokens.sort_unstable();
+    assert_eq!(
+        tokens,
+        (1..=n).collect::<Vec<i64>>(),
+        "every waiter got exactly one lease, no attempt lost"
+    );
+}
