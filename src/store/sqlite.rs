@@ -318,19 +318,20 @@ async fn run_batch(
         }
         done.push((job.reply, out));
     }
-    let commit = if single && done.first().is_some_and(|(_, out)| out.is_err()) {
+    let outcome = if single && done.first().is_some_and(|(_, out)| out.is_err()) {
         exec(conn, "ROLLBACK").await
-    } else {
-        if needs_sync && !*full_sync {
-            // Takes effect for this commit: SQLite reads the level when it syncs.
-            if exec(conn, "PRAGMA synchronous = FULL").await.is_ok() {
-                *full_sync = true;
-            }
-        }
-        exec(conn, "COMMIT").await
-    };
-    if let Err(e) = commit {
+    } else if let Err(e) = exec(conn, "COMMIT").await {
         let _ = exec(conn, "ROLLBACK").await;
+        Err(e)
+    } else if needs_sync && !*full_sync {
+        // A non-durable batch that ended a lease: make it durable before
+        // answering. The sync level cannot change inside a transaction, so
+        // commit one more small one at FULL, which syncs the whole WAL.
+        sync_wal(conn, full_sync).await
+    } else {
+        Ok(())
+    };
+    if let Err(e) = outcome {
         for (reply, _) in done {
             let _ = reply.send(Err(e.clone()));
         }
@@ -342,6 +343,18 @@ async fn run_batch(
     for (reply, out) in done {
         let _ = reply.send(out);
     }
+}
+
+async fn sync_wal(conn: &mut SqliteConnection, full_sync: &mut bool) -> Result<()> {
+    exec(conn, "PRAGMA synchronous = FULL").await?;
+    *full_sync = true;
+    exec(conn, "BEGIN IMMEDIATE").await?;
+    let now = crate::time::now_ms().to_string();
+    if let Err(e) = set_meta(conn, "synced_at", &now).await {
+        let _ = exec(conn, "ROLLBACK").await;
+        return Err(e);
+    }
+    exec(conn, "COMMIT").await
 }
 
 struct SqliteTx<'c> {
