@@ -1,5 +1,6 @@
 //! The one integration-test binary: each file is a module.
 
+mod disk_full;
 mod errors;
 mod leases;
 mod owners;

@@ -1,0 +1,79 @@
+//! A store that cannot be written answers `503 unavailable`, loses nothing it
+//! answered, and serves again once there is room.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::Server;
+
+/// A small tmpfs, unmounted when dropped.
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &Path) -> Option<Self> {
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=2m", "tmpfs"])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then(|| Self(dir.to_path_buf()))
+    }
+
+    /// Write filler until the disk is full.
+    fn fill(&self) {
+        let filler = self.0.join("filler");
+        let _ = Command::new("dd")
+            .args(["if=/dev/zero", "bs=64k"])
+            .arg(format!("of={}", filler.display()))
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+
+    fn free(&self) {
+        std::fs::remove_file(self.0.join("filler")).expect("remove filler");
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_is_503_unavailable_and_nothing_answered_is_lost() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let Some(disk) = SmallDisk::mount(tmp.path()) else {
+        eprintln!("SKIPPED a_full_disk: cannot mount a tmpfs here (needs root)");
+        return;
+    };
+    let s = Server::start_in(tmp.path(), &[]).await;
+    let kept = s.acquire_ok("disk/kept", "h").await;
+    disk.fill();
+
+    let meta = json!({"pad": "p".repeat(15_000)});
+    let mut refused = None;
+    for i in 0..64 {
+        let r = s.acquire(json!({"resource": format!("disk/{i}"), "holder": "h", "ttl_ms": 60_000, "metadata": meta})).await;
+        if r.status != StatusCode::CREATED {
+            refused = Some(r);
+            break;
+        }
+    }
+    let r = refused.expect("some write must fail on a full disk");
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+    assert_eq!(r.code(), "unavailable");
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(s.get("/readyz").await.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(s.get("/healthz").await.status, StatusCode::OK, "still serving");
+    assert_eq!(s.lease(kept["id"].as_str().expect("id")).await["state"], "active", "reads still work");
+
+    disk.free();
+    assert_eq!(s.get("/readyz").await.status, StatusCode::OK, "ready again once there is room");
+    let id = kept["id"].as_str().expect("id");
+    assert_eq!(s.lease_op(id, "release", json!({"token": 1})).await.status, StatusCode::OK);
+    drop(s);
+}
