@@ -68,11 +68,13 @@ impl App {
         let hub = Arc::new(Hub::new(0));
         let backend = SqliteStore::open(&path, &facts.boot_id, time::now_ms(), hub.clone()).await?;
         let store = Store::new(Arc::new(backend));
+        hub.event_committed(store.backend().last_event_seq().await?);
         let metrics = Arc::new(metrics::Metrics::default());
         let leases = leases::Leases::new(store.clone(), host, hub.waiters.clone(), metrics.clone());
         let state = api::AppState {
             leases,
             store,
+            hub,
             metrics,
             openapi: Arc::new(api::openapi_json()),
         };

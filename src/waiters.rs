@@ -135,6 +135,17 @@ impl Hub {
     pub fn subscribe_events(&self) -> watch::Receiver<i64> {
         self.events.subscribe()
     }
+
+    /// An event up to `seq` is committed.
+    pub fn event_committed(&self, seq: i64) {
+        self.events.send_if_modified(|last| {
+            let newer = seq > *last;
+            if newer {
+                *last = seq;
+            }
+            newer
+        });
+    }
 }
 
 impl CommitListener for Hub {
@@ -142,15 +153,7 @@ impl CommitListener for Hub {
         for e in effects {
             match e {
                 Effect::LeaseEnded(resource) => self.waiters.lease_ended(resource),
-                Effect::Event(seq) => {
-                    self.events.send_if_modified(|last| {
-                        let newer = *seq > *last;
-                        if newer {
-                            *last = *seq;
-                        }
-                        newer
-                    });
-                }
+                Effect::Event(seq) => self.event_committed(*seq),
             }
         }
     }

@@ -28,6 +28,10 @@ pub struct EventsQuery {
     /// 1..=1000, default 100.
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
+    /// When there is no event yet, wait up to this long (0..=60000) for the
+    /// first one; 200 with empty `items` when the wait runs out.
+    #[param(minimum = 0, maximum = 60000)]
+    pub wait_ms: Option<i64>,
 }
 
 /// One state change, with the whole record as it is after the change.
@@ -56,7 +60,7 @@ pub struct EventList {
     pub items: Vec<Event>,
 }
 
-/// Events after `after`, oldest first.
+/// Events after `after`, oldest first; with `wait_ms`, a long poll.
 #[utoipa::path(
     get, path = "/v1/events", tag = "events",
     params(EventsQuery),
@@ -73,11 +77,22 @@ async fn list_events(
     validate::in_range("after", after, 0..=i64::MAX)?;
     let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
     validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
-    let rows = state
-        .store
-        .backend()
-        .events(after, u32::try_from(limit).unwrap_or(1000))
-        .await?;
+    let wait_ms = q.wait_ms.unwrap_or(0);
+    validate::in_range("wait_ms", wait_ms, validate::WAIT_MS)?;
+    let limit = u32::try_from(limit).unwrap_or(1000);
+    // Subscribe before reading, so an event committed in between still wakes us.
+    let mut newest = state.hub.subscribe_events();
+    let mut rows = state.store.backend().events(after, limit).await?;
+    if rows.is_empty() && wait_ms > 0 {
+        let wait = std::time::Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
+        // The watch guard is not Send: keep only whether it fired.
+        let woken = tokio::time::timeout(wait, newest.wait_for(|seq| *seq > after))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if woken {
+            rows = state.store.backend().events(after, limit).await?;
+        }
+    }
     // Stored bodies are JSON objects without their seq: splice it in rather
     // than parse and re-serialize every event.
     let mut out = String::from("{\"items\":[");

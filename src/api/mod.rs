@@ -32,6 +32,7 @@ pub const BODY_LIMIT: usize = 64 * 1024;
 pub struct AppState {
     pub leases: Leases,
     pub store: Store,
+    pub hub: Arc<crate::waiters::Hub>,
     pub metrics: Arc<Metrics>,
     pub openapi: Arc<String>,
 }

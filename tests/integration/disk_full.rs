@@ -67,13 +67,31 @@ async fn a_full_disk_is_503_unavailable_and_nothing_answered_is_lost() {
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
     assert_eq!(r.code(), "unavailable");
     assert!(r.headers.contains_key("retry-after"));
-    assert_eq!(s.get("/readyz").await.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(s.get("/healthz").await.status, StatusCode::OK, "still serving");
-    assert_eq!(s.lease(kept["id"].as_str().expect("id")).await["state"], "active", "reads still work");
+    assert_eq!(
+        s.get("/readyz").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        s.get("/healthz").await.status,
+        StatusCode::OK,
+        "still serving"
+    );
+    assert_eq!(
+        s.lease(kept["id"].as_str().expect("id")).await["state"],
+        "active",
+        "reads still work"
+    );
 
     disk.free();
-    assert_eq!(s.get("/readyz").await.status, StatusCode::OK, "ready again once there is room");
+    assert_eq!(
+        s.get("/readyz").await.status,
+        StatusCode::OK,
+        "ready again once there is room"
+    );
     let id = kept["id"].as_str().expect("id");
-    assert_eq!(s.lease_op(id, "release", json!({"token": 1})).await.status, StatusCode::OK);
+    assert_eq!(
+        s.lease_op(id, "release", json!({"token": 1})).await.status,
+        StatusCode::OK
+    );
     drop(s);
 }

@@ -364,3 +364,53 @@ fn chrono_now() -> String {
         .expect("clock");
     holdfast::time::rfc3339(i64::try_from(now.as_millis()).expect("ms"))
 }
+
+#[tokio::test]
+async fn events_long_poll_returns_as_soon_as_an_event_commits() {
+    let s = Server::start().await;
+    let lease = s.acquire_ok("ev", "h").await;
+    let after = s.all_events().await.last().expect("event")["seq"]
+        .as_i64()
+        .expect("seq");
+    let empty = s
+        .get(&format!("/v1/events?after={after}&wait_ms=200"))
+        .await;
+    assert_eq!(empty.status, StatusCode::OK);
+    assert_eq!(empty.body["items"], json!([]), "the wait ran out");
+
+    let poll = {
+        let (client, url) = (
+            s.client.clone(),
+            s.url(&format!("/v1/events?after={after}&wait_ms=30000")),
+        );
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let body: serde_json::Value = client
+                .get(url)
+                .send()
+                .await
+                .expect("get")
+                .json()
+                .await
+                .expect("json");
+            (body, started.elapsed())
+        })
+    };
+    let id = lease["id"].as_str().expect("id");
+    assert_eq!(
+        s.lease_op(id, "release", json!({"token": 1})).await.status,
+        StatusCode::OK
+    );
+    let (body, elapsed) = poll.await.expect("poll");
+    assert_eq!(body["items"][0]["type"], "lease.released");
+    assert_eq!(body["items"][0]["seq"], after + 1);
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "woken by the event: {elapsed:?}"
+    );
+
+    let page = s.get("/v1/events?after=0&limit=1").await;
+    assert_eq!(page.body["items"].as_array().map(Vec::len), Some(1));
+    assert_eq!(s.get("/v1/events?limit=0").await.code(), "validation");
+    assert_eq!(s.get("/v1/events?wait_ms=60001").await.code(), "validation");
+}
