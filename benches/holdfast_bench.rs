@@ -1,1 +1,414 @@
-fn main() {}
+//! Load benchmark for the holdfast lease API (a program, not a timed test).
+//!
+//! Run it with:
+//!
+//! ```text
+//! cargo build --release
+//! cargo bench --bench holdfast-bench -- [--url http://127.0.0.1:7427] \
+//!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended]
+//! ```
+//!
+//! Without `--url` the bench builds nothing: it starts `target/release/holdfast serve`
+//! (run `cargo build --release` first) on a free loopback port with a fresh temporary
+//! data dir and no `HOLDFAST_*` variables, waits for `/readyz`, and kills it at the end;
+//! the server's output goes to `server.log` in that dir. With `--url` it uses that
+//! server; resource names carry a run id, so reruns against it do not collide.
+//!
+//! Each workload runs for `--seconds` with C concurrent client tasks, for each C:
+//! - `churn`: each client loops acquire (201), renew (200), release (200) on its own
+//!   resource; reports cycles/s and p50/p99 latency of a whole 3-request cycle.
+//! - `renew`: each client acquires its own lease once, then renews it back to back;
+//!   reports renewals/s and p50/p99 per renewal; releases it at the end.
+//! - `contended`: all C clients acquire ONE resource with `wait_ms` 60000 and release
+//!   it at once on 201; reports handoffs/s, p50/p99 of the acquire latency (waiting
+//!   included) and `lost`, the acquires that did not answer 201 (target: zero). After
+//!   `--seconds` no new acquire starts; those in flight finish.
+//!
+//! `errors` counts unexpected statuses and failed requests (the bench never panics on
+//! one). Rates divide by the wall time until the last client finished. When the bench
+//! starts the server, both share the CPUs that `nproc` reports in the header.
+
+use std::fmt::Display;
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{ExitCode, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use reqwest::{Client, StatusCode};
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+const USAGE: &str = "usage: cargo bench --bench holdfast-bench -- [--url URL] \
+    [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended]";
+
+#[derive(Clone, Copy)]
+enum Workload {
+    Churn,
+    Renew,
+    Contended,
+}
+
+impl Workload {
+    const ALL: [Workload; 3] = [Workload::Churn, Workload::Renew, Workload::Contended];
+
+    /// Its name and the unit of its rate.
+    fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            Workload::Churn => ("churn", "cycles/s"),
+            Workload::Renew => ("renew", "renewals/s"),
+            Workload::Contended => ("contended", "handoffs/s"),
+        }
+    }
+}
+
+struct Args {
+    url: Option<String>,
+    concurrency: Vec<usize>,
+    seconds: f64,
+    workloads: Vec<Workload>,
+}
+
+/// Adds what failed to an error, for `?` on setup steps.
+fn ctx<T, E: Display>(r: Result<T, E>, what: impl Display) -> Result<T, String> {
+    r.map_err(|e| format!("{what}: {e}"))
+}
+
+fn parse_list<T>(v: &str, item: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, String> {
+    let bad = |s: &str| format!("bad list item {s:?}");
+    v.split(',')
+        .map(|s| item(s.trim()).ok_or_else(|| bad(s)))
+        .collect()
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        url: None,
+        concurrency: vec![1, 8, 64],
+        seconds: 5.0,
+        workloads: Workload::ALL.to_vec(),
+    };
+    let mut it = std::env::args().skip(1).filter(|a| a != "--bench"); // added by cargo bench
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or(format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--url" => args.url = Some(value.trim_end_matches('/').to_string()),
+            "--seconds" => match value.parse::<f64>() {
+                Ok(s) if s.is_finite() && s > 0.0 => args.seconds = s,
+                _ => return Err(format!("--seconds: {value:?} is not a positive number")),
+            },
+            "--concurrency" => {
+                let positive = |s: &str| s.parse::<usize>().ok().filter(|&n| n > 0);
+                args.concurrency = ctx(parse_list(&value, positive), "--concurrency")?;
+            }
+            "--workload" => {
+                let known = |s: &str| Workload::ALL.into_iter().find(|w| w.labels().0 == s);
+                args.workloads = ctx(parse_list(&value, known), "--workload")?;
+            }
+            _ => return Err(format!("unknown argument {flag:?}")),
+        }
+    }
+    Ok(args)
+}
+
+/// What one client task (or, merged, all of them) measured.
+#[derive(Default)]
+struct Stats {
+    ops: u64,
+    errors: u64,
+    lost: u64,
+    /// Microseconds per measured operation.
+    latencies_us: Vec<u64>,
+}
+
+impl Stats {
+    fn record(&mut self, latency: Duration) {
+        self.ops += 1;
+        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.latencies_us.push(us);
+    }
+
+    /// Counts an error and backs off a little, so that a dead server does not spin the CPU.
+    async fn fail(&mut self) {
+        self.errors += 1;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    fn add(&mut self, other: Stats) {
+        self.ops += other.ops;
+        self.errors += other.errors;
+        self.lost += other.lost;
+        self.latencies_us.extend(other.latencies_us);
+    }
+
+    /// Nearest-rank percentile in milliseconds (of sorted latencies); NaN when empty.
+    fn percentile_ms(&self, p: f64) -> f64 {
+        let n = self.latencies_us.len();
+        let rank = ((p / 100.0) * n as f64).ceil() as usize;
+        let us = self.latencies_us.get(rank.clamp(1, n.max(1)) - 1);
+        us.map_or(f64::NAN, |&us| us as f64 / 1000.0)
+    }
+
+    fn report(&mut self, workload: Workload, c: usize, elapsed: Duration) {
+        self.latencies_us.sort_unstable();
+        let rate = self.ops as f64 / elapsed.as_secs_f64();
+        let (p50, p99) = (self.percentile_ms(50.0), self.percentile_ms(99.0));
+        let (name, unit) = workload.labels();
+        print!("{name:<10} C={c:>3} {rate:>9.1} {unit:<11}  p50 {p50:>7.2} ms   ");
+        print!("p99 {p99:>7.2} ms   errors {}", self.errors);
+        match workload {
+            Workload::Contended => println!("   lost {}", self.lost),
+            _ => println!(),
+        }
+    }
+}
+
+/// The lease endpoints of one server, over the shared client.
+#[derive(Clone)]
+struct Api {
+    client: Client,
+    base: String,
+}
+
+impl Api {
+    /// POSTs JSON; the status and the JSON body (Null when not JSON) of the answer.
+    async fn post(&self, path: &str, body: Value) -> Result<(StatusCode, Value), reqwest::Error> {
+        let url = format!("{}{path}", self.base);
+        let resp = self.client.post(url).json(&body).send().await?;
+        let status = resp.status();
+        let bytes = resp.bytes().await?; // read it all so the connection is reused
+        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Ok((status, json))
+    }
+
+    /// Some((id, token)) on 201, None on any other answer or failure.
+    async fn acquire(&self, body: &Value) -> Option<(String, i64)> {
+        match self.post("/v1/leases", body.clone()).await {
+            Ok((StatusCode::CREATED, v)) => Some((v["id"].as_str()?.into(), v["token"].as_i64()?)),
+            _ => None,
+        }
+    }
+
+    /// True on 200.
+    async fn renew(&self, id: &str, token: i64, ttl_ms: u64) -> bool {
+        let body = json!({"token": token, "ttl_ms": ttl_ms});
+        let answer = self.post(&format!("/v1/leases/{id}/renew"), body).await;
+        matches!(answer, Ok((StatusCode::OK, _)))
+    }
+
+    /// True on 200.
+    async fn release(&self, id: &str, token: i64) -> bool {
+        let body = json!({"token": token});
+        let answer = self.post(&format!("/v1/leases/{id}/release"), body).await;
+        matches!(answer, Ok((StatusCode::OK, _)))
+    }
+}
+
+async fn churn_client(api: Api, resource: String, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let body = json!({"resource": resource, "holder": "bench-churn", "ttl_ms": 30000});
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let ok = match api.acquire(&body).await {
+            Some((id, token)) => {
+                let renewed = api.renew(&id, token, 30000).await;
+                api.release(&id, token).await && renewed // release even if renew failed
+            }
+            None => false,
+        };
+        if ok {
+            stats.record(started.elapsed());
+        } else {
+            stats.fail().await;
+        }
+    }
+    stats
+}
+
+async fn renew_client(api: Api, resource: String, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let body = json!({"resource": resource, "holder": "bench-renew", "ttl_ms": 60000});
+    let Some((id, token)) = api.acquire(&body).await else {
+        stats.errors += 1;
+        return stats;
+    };
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        if api.renew(&id, token, 60000).await {
+            stats.record(started.elapsed());
+        } else {
+            stats.fail().await;
+        }
+    }
+    if !api.release(&id, token).await {
+        stats.errors += 1;
+    }
+    stats
+}
+
+async fn contended_client(api: Api, resource: String, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let body = json!({"resource": resource, "holder": "bench-contended",
+                      "ttl_ms": 30000, "wait_ms": 60000});
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let Some((id, token)) = api.acquire(&body).await else {
+            stats.lost += 1;
+            tokio::time::sleep(Duration::from_millis(5)).await; // a quick 503 must not spin
+            continue;
+        };
+        let waited = started.elapsed();
+        if api.release(&id, token).await {
+            stats.record(waited);
+        } else {
+            stats.fail().await;
+        }
+    }
+    stats
+}
+
+/// Runs one workload with `c` client tasks and prints its line.
+async fn run_workload(api: &Api, workload: Workload, c: usize, seconds: f64, run_id: &str) {
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs_f64(seconds);
+    let (name, _) = workload.labels();
+    let prefix = format!("bench/{name}/{run_id}/{c}");
+    let tasks: Vec<_> = (0..c)
+        .map(|i| {
+            let (api, own) = (api.clone(), format!("{prefix}/{i}"));
+            match workload {
+                Workload::Churn => tokio::spawn(churn_client(api, own, deadline)),
+                Workload::Renew => tokio::spawn(renew_client(api, own, deadline)),
+                Workload::Contended => {
+                    tokio::spawn(contended_client(api, prefix.clone(), deadline))
+                }
+            }
+        })
+        .collect();
+    let mut total = Stats::default();
+    for task in tasks {
+        match task.await {
+            Ok(stats) => total.add(stats),
+            Err(e) => eprintln!("a {name} client task failed: {e}"),
+        }
+    }
+    total.report(workload, c, started.elapsed());
+}
+
+/// A server started by the bench: killed on drop, then its temp data dir is removed.
+struct LocalServer {
+    child: Child,
+    data_dir: tempfile::TempDir,
+}
+
+/// Starts the release binary on a free port; returns it and its base URL.
+fn start_server() -> Result<(LocalServer, String), String> {
+    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/holdfast");
+    if !bin.is_file() {
+        let shown = bin.display();
+        return Err(format!(
+            "{shown} not found: run `cargo build --release` first"
+        ));
+    }
+    let free = ctx(TcpListener::bind("127.0.0.1:0"), "no free port")?;
+    let port = ctx(free.local_addr(), "no free port")?.port();
+    drop(free); // the server binds it
+    let data_dir = ctx(tempfile::TempDir::new(), "cannot create a temp dir")?;
+    let log = data_dir.path().join("server.log");
+    let stdout = ctx(File::create(&log), "cannot create the server log")?;
+    let stderr = ctx(stdout.try_clone(), "cannot create the server log")?;
+    let mut cmd = Command::new(&bin);
+    let listen = format!("127.0.0.1:{port}");
+    cmd.args(["serve", "--listen", &listen, "--data-dir"])
+        .arg(data_dir.path());
+    cmd.stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .kill_on_drop(true);
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("HOLDFAST_") {
+            cmd.env_remove(key);
+        }
+    }
+    let child = ctx(cmd.spawn(), format!("cannot start {}", bin.display()))?;
+    Ok((LocalServer { child, data_dir }, format!("http://{listen}")))
+}
+
+/// Polls GET /readyz until it answers 200; fails after 15 s or if our server exits.
+async fn wait_ready(api: &Api, mut server: Option<&mut LocalServer>) -> Result<(), String> {
+    let give_up = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(s) = server.as_mut()
+            && let Ok(Some(status)) = s.child.try_wait()
+        {
+            let log = std::fs::read_to_string(s.data_dir.path().join("server.log"));
+            let log = log.unwrap_or_default();
+            return Err(format!("the server exited at startup ({status}):\n{log}"));
+        }
+        let answer = api.client.get(format!("{}/readyz", api.base)).send().await;
+        match answer {
+            Ok(r) if r.status() == StatusCode::OK => return Ok(()),
+            _ if Instant::now() > give_up => {
+                let url = format!("{}/readyz", api.base);
+                return Err(format!("{url} did not answer 200 within 15 s: {answer:?}"));
+            }
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let client = Client::builder()
+        .pool_max_idle_per_host(256)
+        .tcp_nodelay(true)
+        .timeout(Duration::from_secs(90)) // longer than the 60 s contended wait
+        .build();
+    let client = ctx(client, "cannot build the HTTP client")?;
+    let (mut server, base) = match args.url {
+        Some(url) => (None, url),
+        None => start_server().map(|(s, url)| (Some(s), url))?,
+    };
+    let api = Api { client, base };
+    wait_ready(&api, server.as_mut()).await?;
+
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let run_id = format!("{nanos:x}");
+    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let (base, secs) = (&api.base, args.seconds);
+    let (ours, shared) = match server {
+        Some(_) => ("yes", " (shared by bench and server)"),
+        None => ("no", ""),
+    };
+    println!("holdfast-bench: server {base}, started by bench: {ours}");
+    println!("nproc {nproc}{shared}, run id {run_id}, {secs} s per run\n");
+    for &workload in &args.workloads {
+        for &c in &args.concurrency {
+            run_workload(&api, workload, c, args.seconds, &run_id).await;
+        }
+    }
+
+    if let Some(mut s) = server {
+        ctx(s.child.kill().await, "cannot kill the server")?;
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let result = parse_args()
+        .map_err(|e| format!("{e}\n{USAGE}"))
+        .and_then(|args| {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build();
+            ctx(runtime, "cannot start the tokio runtime")?.block_on(run(args))
+        });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("holdfast-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -56,13 +56,13 @@ pub fn resolve_owner(host: &dyn Host, spec: OwnerSpec, field: &str) -> Result<Id
         },
         other => ApiError::OwnerUnverifiable(other.to_string()),
     })?;
-    if let Some(seen) = p.start_time {
-        if seen != identity.start_time {
-            return Err(ApiError::IdentityMismatch(format!(
-                "pid {pid} now has start time {}, not {seen}: it is another process",
-                identity.start_time
-            )));
-        }
+    if let Some(seen) = p.start_time
+        && seen != identity.start_time
+    {
+        return Err(ApiError::IdentityMismatch(format!(
+            "pid {pid} now has start time {}, not {seen}: it is another process",
+            identity.start_time
+        )));
     }
     Ok(identity)
 }

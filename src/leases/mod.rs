@@ -154,11 +154,11 @@ impl Leases {
             };
             let t = ticket.get_or_insert_with(|| self.waiters.enqueue(&cmd.resource, seen));
             let mut until = deadline;
-            if t.is_head() {
-                if let Some(at) = ttl_only_expiry(&holder) {
-                    let left = u64::try_from(at - now_ms() + 1).unwrap_or(0);
-                    until = until.min(Instant::now() + Duration::from_millis(left));
-                }
+            if t.is_head()
+                && let Some(at) = ttl_only_expiry(&holder)
+            {
+                let left = u64::try_from(at - now_ms() + 1).unwrap_or(0);
+                until = until.min(Instant::now() + Duration::from_millis(left));
             }
             tokio::select! {
                 () = t.woken() => {}

@@ -290,11 +290,9 @@ async fn run_batch(
     let mut done = Vec::with_capacity(batch.len());
     let mut effects = Vec::new();
     for job in batch {
-        if !single {
-            if let Err(e) = exec(conn, "SAVEPOINT job").await {
-                let _ = job.reply.send(Err(e));
-                continue;
-            }
+        if !single && let Err(e) = exec(conn, "SAVEPOINT job").await {
+            let _ = job.reply.send(Err(e));
+            continue;
         }
         let mut tx = SqliteTx {
             conn: &mut *conn,

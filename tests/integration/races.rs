@@ -68,7 +68,7 @@ async fn hammer(
         i += 1;
         let resource = format!("race/{}", i % RESOURCES);
         // Some acquirers wait, some do not: both paths must keep the invariant.
-        let wait_ms = if me % 2 == 0 { 0 } else { 200 };
+        let wait_ms = if me.is_multiple_of(2) { 0 } else { 200 };
         let r = client
             .post(format!("{base}/v1/leases"))
             .json(&json!({"resource": resource, "holder": format!("c{me}"), "ttl_ms": 30_000, "wait_ms": wait_ms}))
