@@ -66,7 +66,7 @@ impl App {
             })?;
         }
         let hub = Arc::new(Hub::new(0));
-        let backend = SqliteStore::open(&path, &facts.boot_id, time::now_ms(), hub.clone()).await?;
+        let backend = SqliteStore::open(&path, &facts.boot_id, time::now_ms(), hub.clone())?;
         let store = Store::new(Arc::new(backend));
         hub.event_committed(store.backend().last_event_seq().await?);
         let metrics = Arc::new(metrics::Metrics::default());

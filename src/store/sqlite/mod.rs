@@ -1,0 +1,216 @@
+//! The embedded SQLite store (WAL, `synchronous=FULL`). One writer thread
+//! runs every mutation with group commit (see `writer`); reads use a pool of
+//! read-only WAL connections on blocking threads and never wait behind writes.
+
+mod rows;
+mod schema;
+mod writer;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rusqlite::{Connection, ErrorCode, OpenFlags};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use super::{Backend, BoxFuture, CommitListener, JobFn, JobOutput, Result, StoreError};
+use crate::model::{EventRow, LeaseFilter, LeaseRecord};
+use crate::time::Millis;
+use writer::{Job, Msg};
+
+const QUEUE: usize = 8192;
+const READERS: usize = 4;
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(crate) fn map_err(e: rusqlite::Error) -> StoreError {
+    match e.sqlite_error_code() {
+        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreError::Busy,
+        Some(
+            ErrorCode::ReadOnly
+            | ErrorCode::SystemIoFailure
+            | ErrorCode::DatabaseCorrupt
+            | ErrorCode::DiskFull
+            | ErrorCode::CannotOpen
+            | ErrorCode::PermissionDenied
+            | ErrorCode::NotADatabase,
+        ) => StoreError::Unavailable(e.to_string()),
+        _ => StoreError::Other(e.to_string()),
+    }
+}
+
+fn open(path: &Path, flags: OpenFlags) -> Result<Connection> {
+    let conn = Connection::open_with_flags(path, flags)
+        .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;
+    conn.busy_timeout(BUSY_TIMEOUT).map_err(map_err)?;
+    Ok(conn)
+}
+
+/// Read-only connections, opened as needed, used on blocking threads.
+struct ReadPool {
+    path: PathBuf,
+    idle: Mutex<Vec<Connection>>,
+    permits: Semaphore,
+}
+
+impl ReadPool {
+    async fn with<T, F>(self: &Arc<Self>, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> Result<T> + Send + 'static,
+    {
+        let _permit = self.permits.acquire().await.map_err(|_| StoreError::Busy)?;
+        let pool = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let idle = pool
+                .idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
+            let conn = match idle {
+                Some(c) => c,
+                None => open(
+                    &pool.path,
+                    OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+                )?,
+            };
+            let out = f(&conn);
+            pool.idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(conn);
+            out
+        })
+        .await
+        .map_err(|e| StoreError::Other(format!("read task failed: {e}")))?
+    }
+}
+
+pub struct SqliteStore {
+    jobs: mpsc::Sender<Msg>,
+    reads: Arc<ReadPool>,
+}
+
+impl SqliteStore {
+    /// Open (creating if needed) and migrate the database at `path`, then
+    /// start the writer. `boot_id` is this boot's: if the last run was on
+    /// another boot, renewals that were never fsynced may be lost, so every
+    /// current lease's expiry is first pushed out by its TTL (never earlier
+    /// than promised, possibly later).
+    pub fn open(
+        path: &Path,
+        boot_id: &str,
+        now: Millis,
+        listener: Arc<dyn CommitListener>,
+    ) -> Result<Self> {
+        let mut conn = open(path, OpenFlags::default())?;
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA temp_store = MEMORY;",
+        )
+        .map_err(map_err)?;
+        schema::migrate(&mut conn)?;
+        recover(&mut conn, boot_id, now)?;
+        let (jobs, rx) = mpsc::channel(QUEUE);
+        std::thread::Builder::new()
+            .name("sqlite-writer".into())
+            .spawn(move || writer::run(conn, rx, listener))
+            .map_err(|e| StoreError::Unavailable(format!("starting the writer thread: {e}")))?;
+        let reads = Arc::new(ReadPool {
+            path: path.to_path_buf(),
+            idle: Mutex::new(Vec::new()),
+            permits: Semaphore::new(READERS),
+        });
+        Ok(Self { jobs, reads })
+    }
+}
+
+fn recover(conn: &mut Connection, boot_id: &str, now: Millis) -> Result<()> {
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .map_err(map_err)?;
+    if rows::meta(&tx, "boot_id")?.is_some_and(|b| b != boot_id) {
+        let n = rows::extend_current_ttls(&tx, now)?;
+        tracing::info!(
+            leases = n,
+            "host rebooted since the last run: current leases get their full TTL again"
+        );
+    }
+    rows::set_meta(&tx, "boot_id", boot_id)?;
+    tx.commit().map_err(map_err)
+}
+
+impl Backend for SqliteStore {
+    fn write(&self, durable: bool, run: JobFn) -> BoxFuture<'_, Result<JobOutput>> {
+        Box::pin(async move {
+            let (reply, rx) = oneshot::channel();
+            self.jobs
+                .try_send(Msg::Job(Job {
+                    durable,
+                    run,
+                    reply,
+                }))
+                .map_err(|e| match e {
+                    mpsc::error::TrySendError::Full(_) => StoreError::Busy,
+                    mpsc::error::TrySendError::Closed(_) => {
+                        StoreError::Unavailable("the store is closed".into())
+                    }
+                })?;
+            rx.await
+                .map_err(|_| StoreError::Unavailable("the writer stopped".into()))?
+        })
+    }
+
+    fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
+        let id = id.to_owned();
+        Box::pin(self.reads.with(move |c| rows::lease(c, &id)))
+    }
+
+    fn list_leases<'a>(
+        &'a self,
+        filter: &'a LeaseFilter,
+    ) -> BoxFuture<'a, Result<Vec<LeaseRecord>>> {
+        let filter = filter.clone();
+        Box::pin(self.reads.with(move |c| rows::list_leases(c, &filter)))
+    }
+
+    fn leases_to_reconcile(&self, now: Millis) -> BoxFuture<'_, Result<Vec<LeaseRecord>>> {
+        Box::pin(self.reads.with(move |c| rows::leases_to_reconcile(c, now)))
+    }
+
+    fn count_current_leases(&self) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(self.reads.with(rows::count_current_leases))
+    }
+
+    fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {
+        Box::pin(self.reads.with(move |c| rows::events(c, after, limit)))
+    }
+
+    fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(self.reads.with(rows::last_event_seq))
+    }
+
+    fn check_writable(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let now = crate::time::now_ms().to_string();
+            let job: JobFn = Box::new(move |tx| {
+                Box::pin(async move {
+                    tx.set_meta("probe", &now).await?;
+                    Ok(Box::new(()) as JobOutput)
+                })
+            });
+            self.write(false, job).await.map(|_| ())
+        })
+    }
+
+    fn relaxed_renewals(&self) -> bool {
+        true
+    }
+
+    fn close(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let (done, rx) = oneshot::channel();
+            if self.jobs.send(Msg::Close(done)).await.is_ok() {
+                let _ = rx.await;
+            }
+        })
+    }
+}
