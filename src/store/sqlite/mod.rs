@@ -1,5 +1,5 @@
-//! The embedded SQLite store (WAL, `synchronous=FULL`). One writer thread
-//! runs every mutation with group commit (see `writer`); reads use a pool of
+//! The embedded SQLite store (WAL, `synchronous=FULL`). One connection runs
+//! every mutation with group commit (see `writer`); reads use a pool of
 //! read-only WAL connections on blocking threads and never wait behind writes.
 
 mod rows;
@@ -11,14 +11,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rusqlite::{Connection, ErrorCode, OpenFlags};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, oneshot};
 
 use super::{Backend, BoxFuture, CommitListener, JobFn, JobOutput, Result, StoreError};
 use crate::model::{EventRow, LeaseFilter, LeaseRecord};
 use crate::time::Millis;
-use writer::{Job, Msg};
+use writer::{Job, Shared};
 
-const QUEUE: usize = 8192;
 const READERS: usize = 4;
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -86,7 +85,7 @@ impl ReadPool {
 }
 
 pub struct SqliteStore {
-    jobs: mpsc::Sender<Msg>,
+    writer: Arc<Shared>,
     reads: Arc<ReadPool>,
 }
 
@@ -109,17 +108,13 @@ impl SqliteStore {
         .map_err(map_err)?;
         schema::migrate(&mut conn)?;
         recover(&mut conn, boot_id, now)?;
-        let (jobs, rx) = mpsc::channel(QUEUE);
-        std::thread::Builder::new()
-            .name("sqlite-writer".into())
-            .spawn(move || writer::run(conn, rx, listener))
-            .map_err(|e| StoreError::Unavailable(format!("starting the writer thread: {e}")))?;
+        let writer = Shared::new(conn, listener);
         let reads = Arc::new(ReadPool {
             path: path.to_path_buf(),
             idle: Mutex::new(Vec::new()),
             permits: Semaphore::new(READERS),
         });
-        Ok(Self { jobs, reads })
+        Ok(Self { writer, reads })
     }
 }
 
@@ -142,18 +137,12 @@ impl Backend for SqliteStore {
     fn write(&self, durable: bool, run: JobFn) -> BoxFuture<'_, Result<JobOutput>> {
         Box::pin(async move {
             let (reply, rx) = oneshot::channel();
-            self.jobs
-                .try_send(Msg::Job(Job {
-                    durable,
-                    run,
-                    reply,
-                }))
-                .map_err(|e| match e {
-                    mpsc::error::TrySendError::Full(_) => StoreError::Busy,
-                    mpsc::error::TrySendError::Closed(_) => {
-                        StoreError::Unavailable("the store is closed".into())
-                    }
-                })?;
+            self.writer.submit(Job {
+                durable,
+                run,
+                reply,
+            })?;
+            self.writer.lead_from_async();
             rx.await
                 .map_err(|_| StoreError::Unavailable("the writer stopped".into()))?
         })
@@ -207,9 +196,12 @@ impl Backend for SqliteStore {
 
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            let (done, rx) = oneshot::channel();
-            if self.jobs.send(Msg::Close(done)).await.is_ok() {
-                let _ = rx.await;
+            let writer = self.writer.clone();
+            if tokio::task::spawn_blocking(move || writer.close())
+                .await
+                .is_err()
+            {
+                tracing::warn!("closing the sqlite store failed");
             }
         })
     }

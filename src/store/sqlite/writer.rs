@@ -1,21 +1,28 @@
-//! The single writer: a thread of its own that owns the one read-write
-//! connection. It takes every job queued so far, runs them in one
-//! transaction (each inside a savepoint, so a failing job does not undo the
-//! others), commits once, and only then answers them: group commit, one
-//! fsync for many requests. Statements run synchronously on this thread,
-//! with no hop per statement.
+//! The single writer. One read-write connection runs every mutation. A
+//! request queues its job; whoever finds the connection free becomes the
+//! leader and runs every job queued so far in one transaction (each inside a
+//! savepoint, so a failing job does not undo the others), commits once, and
+//! only then answers them: group commit, one fsync for many requests. The
+//! leader runs statements on its own thread, so a lone request pays no
+//! thread hop at all.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 
 use rusqlite::Connection;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::rows;
 use crate::model::LeaseRecord;
-use crate::store::{BoxFuture, CommitListener, Effect, JobFn, JobOutput, Result, Tx};
+use crate::store::{BoxFuture, CommitListener, Effect, JobFn, JobOutput, Result, StoreError, Tx};
 use crate::time::Millis;
 
 const MAX_BATCH: usize = 256;
+/// Batches one leader runs before handing the rest to a blocking thread, so
+/// that its own request is not held up behind an endless stream of others.
+const MAX_ROUNDS: usize = 4;
+const QUEUE_CAP: usize = 8192;
 
 pub struct Job {
     pub durable: bool,
@@ -23,53 +30,151 @@ pub struct Job {
     pub reply: oneshot::Sender<Result<JobOutput>>,
 }
 
-pub enum Msg {
-    Job(Job),
-    Close(oneshot::Sender<()>),
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
+pub struct Shared {
+    queue: Mutex<Queue>,
+    /// None once closed.
+    writer: Mutex<Option<Writer>>,
+    listener: Arc<dyn CommitListener>,
 }
 
 fn exec(conn: &Connection, sql: &str) -> Result<()> {
     conn.execute_batch(sql).map_err(super::map_err)
 }
 
-pub fn run(conn: Connection, mut rx: mpsc::Receiver<Msg>, listener: Arc<dyn CommitListener>) {
-    // Jobs are async only in signature: with this connection every Tx call
-    // completes at once, so a current-thread runtime just drives them.
-    let rt = match tokio::runtime::Builder::new_current_thread().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot start the sqlite writer");
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared {
+    pub fn new(conn: Connection, listener: Arc<dyn CommitListener>) -> Arc<Self> {
+        Arc::new(Self {
+            queue: Mutex::default(),
+            writer: Mutex::new(Some(Writer {
+                conn,
+                full_sync: true,
+            })),
+            listener,
+        })
+    }
+
+    /// Queue `job`; `Busy` when the queue is full.
+    pub fn submit(&self, job: Job) -> Result<()> {
+        let mut q = lock(&self.queue);
+        if q.closed {
+            return Err(StoreError::Unavailable("the store is closed".into()));
+        }
+        if q.jobs.len() >= QUEUE_CAP {
+            return Err(StoreError::Busy);
+        }
+        q.jobs.push_back(job);
+        Ok(())
+    }
+
+    /// Run the queued jobs here if the connection is free. Returns at once
+    /// when another thread leads: it will see the job, since it checks the
+    /// queue again after it lets go of the connection.
+    pub fn lead_from_async(self: &Arc<Self>) {
+        let Ok(guard) = self.writer.try_lock() else {
             return;
+        };
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_thread {
+            // Tell the runtime this worker blocks (on the fsync) for a while.
+            tokio::task::block_in_place(|| self.lead(guard));
+        } else {
+            drop(guard);
+            let me = self.clone();
+            tokio::task::spawn_blocking(move || me.lead_blocking());
         }
-    };
-    let mut w = Writer {
-        conn,
-        full_sync: true,
-    };
-    let mut batch: Vec<Job> = Vec::with_capacity(MAX_BATCH);
-    let mut closing = None;
-    while closing.is_none() {
-        match rx.blocking_recv() {
-            Some(Msg::Job(j)) => batch.push(j),
-            Some(Msg::Close(done)) => closing = Some(done),
-            None => break,
+    }
+
+    fn lead_blocking(self: &Arc<Self>) {
+        if let Ok(guard) = self.writer.try_lock() {
+            self.lead(guard);
         }
-        while closing.is_none() && batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(Msg::Job(j)) => batch.push(j),
-                Ok(Msg::Close(done)) => closing = Some(done),
-                Err(_) => break,
+    }
+
+    fn lead<'s>(self: &'s Arc<Self>, mut guard: MutexGuard<'s, Option<Writer>>) {
+        loop {
+            let mut rounds = 0;
+            while rounds < MAX_ROUNDS {
+                let batch = self.take_batch();
+                if batch.is_empty() {
+                    break;
+                }
+                match guard.as_mut() {
+                    Some(w) => w.run_batch(batch, self.listener.as_ref()),
+                    None => fail(
+                        batch,
+                        &StoreError::Unavailable("the store is closed".into()),
+                    ),
+                }
+                rounds += 1;
+            }
+            drop(guard);
+            if lock(&self.queue).jobs.is_empty() {
+                return;
+            }
+            if rounds == MAX_ROUNDS {
+                let me = self.clone();
+                tokio::task::spawn_blocking(move || me.lead_blocking());
+                return;
+            }
+            // A job arrived after the last batch was taken: lead again
+            // unless someone else already does.
+            match self.writer.try_lock() {
+                Ok(g) => guard = g,
+                Err(_) => return,
             }
         }
-        if !batch.is_empty() {
-            rt.block_on(w.run_batch(std::mem::take(&mut batch), listener.as_ref()));
+    }
+
+    fn take_batch(&self) -> Vec<Job> {
+        let mut q = lock(&self.queue);
+        let n = q.jobs.len().min(MAX_BATCH);
+        q.jobs.drain(..n).collect()
+    }
+
+    /// Refuse new jobs, finish the queued ones, and close the connection.
+    pub fn close(&self) {
+        lock(&self.queue).closed = true;
+        let mut guard = lock(&self.writer);
+        loop {
+            let batch = self.take_batch();
+            if batch.is_empty() {
+                break;
+            }
+            if let Some(w) = guard.as_mut() {
+                w.run_batch(batch, self.listener.as_ref());
+            }
+        }
+        if let Some(w) = guard.take()
+            && let Err((_, e)) = w.conn.close()
+        {
+            tracing::warn!(error = %e, "closing the sqlite writer connection");
         }
     }
-    if let Err((_, e)) = w.conn.close() {
-        tracing::warn!(error = %e, "closing the sqlite writer connection");
+}
+
+fn fail(batch: Vec<Job>, e: &StoreError) {
+    for j in batch {
+        let _ = j.reply.send(Err(e.clone()));
     }
-    if let Some(done) = closing {
-        let _ = done.send(());
+}
+
+/// Jobs are async only in signature: every Tx call of this store completes
+/// at once, so one poll finishes a job.
+fn run_now<T>(mut fut: BoxFuture<'_, Result<T>>) -> Result<T> {
+    match fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(out) => out,
+        Poll::Pending => Err(StoreError::Other("a store job waited on something".into())),
     }
 }
 
@@ -95,7 +200,7 @@ impl Writer {
         Ok(())
     }
 
-    async fn run_batch(&mut self, batch: Vec<Job>, listener: &dyn CommitListener) {
+    fn run_batch(&mut self, batch: Vec<Job>, listener: &dyn CommitListener) {
         // Renewals alone need not be fsynced; any durable job makes the
         // commit (and every earlier unsynced one in the WAL) durable.
         let durable = batch.iter().any(|j| j.durable);
@@ -103,10 +208,7 @@ impl Writer {
             .set_sync(durable)
             .and_then(|()| exec(&self.conn, "BEGIN IMMEDIATE"));
         if let Err(e) = begun {
-            for j in batch {
-                let _ = j.reply.send(Err(e.clone()));
-            }
-            return;
+            return fail(batch, &e);
         }
         let single = batch.len() == 1;
         let mut needs_sync = false;
@@ -122,7 +224,7 @@ impl Writer {
                 effects: Vec::new(),
                 durable: false,
             };
-            let out = (job.run)(&mut tx).await;
+            let out = run_now((job.run)(&mut tx));
             let (job_effects, job_durable) = (tx.effects, tx.durable);
             let kept = match (&out, single) {
                 (Ok(_), true) => true,
