@@ -3,6 +3,7 @@
 //! read-only WAL connections on blocking threads and never wait behind writes.
 
 mod rows;
+mod rows_process;
 mod schema;
 mod writer;
 
@@ -14,7 +15,7 @@ use rusqlite::{Connection, ErrorCode, OpenFlags};
 use tokio::sync::{Semaphore, oneshot};
 
 use super::{Backend, BoxFuture, CommitListener, JobFn, JobOutput, Result, StoreError};
-use crate::model::{EventRow, LeaseFilter, LeaseRecord};
+use crate::model::{EventRow, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord};
 use crate::time::Millis;
 use writer::{Job, Shared};
 
@@ -167,6 +168,35 @@ impl Backend for SqliteStore {
 
     fn count_current_leases(&self) -> BoxFuture<'_, Result<i64>> {
         Box::pin(self.reads.with(rows::count_current_leases))
+    }
+
+    fn get_process<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
+        let id = id.to_owned();
+        Box::pin(self.reads.with(move |c| rows_process::process(c, &id)))
+    }
+
+    fn list_processes<'a>(&'a self, filter: &'a ProcessFilter) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
+        let filter = filter.clone();
+        Box::pin(self.reads.with(move |c| rows_process::list_processes(c, &filter)))
+    }
+
+    fn current_processes<'a>(&'a self, host_id: &'a str) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
+        let host_id = host_id.to_owned();
+        Box::pin(self.reads.with(move |c| rows_process::current_processes(c, &host_id)))
+    }
+
+    fn count_current_processes(&self) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(self.reads.with(rows_process::count_current_processes))
+    }
+
+    fn owner_ports<'a>(&'a self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+        let owner_id = owner_id.to_owned();
+        Box::pin(self.reads.with(move |c| rows_process::ports_of(c, &owner_id)))
+    }
+
+    fn list_ports<'a>(&'a self, host_id: Option<&'a str>, after_port: u16, limit: u32) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+        let host_id = host_id.map(str::to_owned);
+        Box::pin(self.reads.with(move |c| rows_process::list_ports(c, host_id.as_deref(), after_port, limit)))
     }
 
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {

@@ -13,8 +13,8 @@ use std::task::{Context, Poll, Waker};
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
-use super::rows;
-use crate::model::LeaseRecord;
+use super::{rows, rows_process as procs};
+use crate::model::{LeaseRecord, PortRecord, ProcessRecord};
 use crate::store::{BoxFuture, CommitListener, Effect, JobFn, JobOutput, Result, StoreError, Tx};
 use crate::time::Millis;
 
@@ -322,6 +322,42 @@ impl Tx for WriterTx<'_> {
 
     fn set_meta<'a>(&'a mut self, key: &'a str, value: &'a str) -> BoxFuture<'a, Result<()>> {
         ready(rows::set_meta(&*self.conn, key, value))
+    }
+
+    fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
+        ready(procs::process(&*self.conn, id))
+    }
+
+    fn process_by_operation<'a>(&'a mut self, op: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
+        ready(procs::process_by_operation(&*self.conn, op))
+    }
+
+    fn insert_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {
+        ready(procs::insert_process(&*self.conn, p))
+    }
+
+    fn update_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {
+        ready(procs::update_process(&*self.conn, p))
+    }
+
+    fn held_ports<'a>(&'a mut self, host_id: &'a str) -> BoxFuture<'a, Result<Vec<u16>>> {
+        ready(procs::held_ports(&*self.conn, host_id))
+    }
+
+    fn current_port<'a>(&'a mut self, host_id: &'a str, port: u16) -> BoxFuture<'a, Result<Option<PortRecord>>> {
+        ready(procs::current_port(&*self.conn, host_id, port))
+    }
+
+    fn insert_port<'a>(&'a mut self, p: &'a PortRecord) -> BoxFuture<'a, Result<()>> {
+        ready(procs::insert_port(&*self.conn, p))
+    }
+
+    fn ports_of<'a>(&'a mut self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+        ready(procs::ports_of(&*self.conn, owner_id))
+    }
+
+    fn release_port<'a>(&'a mut self, id: &'a str, at: Millis) -> BoxFuture<'a, Result<()>> {
+        ready(procs::release_port(&*self.conn, id, at))
     }
 
     fn after_commit(&mut self, effect: Effect) {

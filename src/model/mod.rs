@@ -1,5 +1,11 @@
 //! Records as the API shows them and the store keeps them.
 
+mod port;
+mod process;
+
+pub use port::*;
+pub use process::*;
+
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
