@@ -5,10 +5,13 @@
 
 pub mod api;
 pub mod config;
+pub mod events;
 pub mod host;
 pub mod leases;
 pub mod metrics;
 pub mod model;
+pub mod ports;
+pub mod processes;
 pub mod reconcile;
 pub mod store;
 pub mod time;

@@ -58,14 +58,14 @@ impl ProcHost {
         }
     }
 
-    fn stat(&self, pid: i32) -> Result<Stat, ObserveError> {
+    fn stat(&self, pid: i32, zombie_ok: bool) -> Result<Stat, ObserveError> {
         let path = self.proc_root.join(pid.to_string()).join("stat");
         let text = fs::read_to_string(path).map_err(|e| map_io(pid, e))?;
         let stat = Stat::parse(&text).ok_or_else(|| ObserveError::Unreadable {
             pid,
             source: std::io::Error::new(ErrorKind::InvalidData, "unparsable /proc/<pid>/stat"),
         })?;
-        if stat.zombie {
+        if stat.zombie && !zombie_ok {
             return Err(ObserveError::NotFound(pid));
         }
         Ok(stat)
@@ -137,15 +137,25 @@ impl Host for ProcHost {
     }
 
     fn observe(&self, pid: i32) -> Result<Identity, ObserveError> {
+        self.read_identity(pid, false)
+    }
+
+    fn observe_child(&self, pid: i32) -> Result<Identity, ObserveError> {
+        self.read_identity(pid, true)
+    }
+}
+
+impl ProcHost {
+    fn read_identity(&self, pid: i32, zombie_ok: bool) -> Result<Identity, ObserveError> {
         if pid <= 0 {
             return Err(ObserveError::NotFound(pid));
         }
         // Read the start time on both sides of opening the pidfd: if they agree,
         // the pidfd refers to the process whose start time we record.
         for _ in 0..3 {
-            let before = self.stat(pid)?;
+            let before = self.stat(pid, zombie_ok)?;
             let inode = pidfd_inode(pid)?;
-            let after = self.stat(pid)?;
+            let after = self.stat(pid, zombie_ok)?;
             if before.start_time != after.start_time {
                 continue;
             }

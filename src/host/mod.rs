@@ -4,6 +4,9 @@
 
 mod identity;
 mod judge;
+pub mod signal;
+pub mod spawn;
+pub mod watch;
 
 pub use identity::{LocalFacts, ProcHost};
 pub use judge::judge;
@@ -25,8 +28,13 @@ pub trait Host: Send + Sync + 'static {
     /// Facts about this host that every identity is compared against.
     fn local(&self) -> &LocalFacts;
 
-    /// Read the identity of `pid` as it is now.
+    /// Read the identity of `pid` as it is now; a zombie counts as absent.
     fn observe(&self, pid: i32) -> Result<Identity, ObserveError>;
+
+    /// Read the identity of a child that may already be a zombie (not yet reaped).
+    fn observe_child(&self, pid: i32) -> Result<Identity, ObserveError> {
+        self.observe(pid)
+    }
 
     /// Judge a recorded identity now.
     fn judge(&self, recorded: &Identity) -> Judgement {

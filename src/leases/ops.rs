@@ -9,7 +9,7 @@ use super::{Acquire, Acquired, LeaseError, Outcome, Reclaimed};
 use crate::host::Host;
 use crate::model::{Judgement, LeaseRecord, LeaseState, LeaseView, ParentRef};
 use crate::store::{Effect, Result, Tx};
-use crate::time::{Millis, rfc3339};
+use crate::time::Millis;
 
 /// The state a mutation runs in: one host, one instant.
 #[derive(Clone, Copy)]
@@ -38,18 +38,8 @@ fn event_type(state: LeaseState) -> &'static str {
     }
 }
 
-async fn append(
-    tx: &mut dyn Tx,
-    now: Millis,
-    kind: &str,
-    lease: &LeaseView,
-    detail: Value,
-) -> Result<i64> {
-    let body = json!({
-        "at": rfc3339(now), "type": kind, "lease": lease,
-        "process": null, "port": null, "detail": detail,
-    });
-    tx.append_event(now, body.to_string()).await
+async fn append(tx: &mut dyn Tx, now: Millis, kind: &str, lease: &LeaseView, detail: Value) -> Result<i64> {
+    crate::events::append(tx, now, kind, crate::events::Subject::Lease(lease), detail).await
 }
 
 /// End a current lease and record why.
@@ -68,6 +58,8 @@ async fn end(
     tx.update_lease(rec).await?;
     tx.require_durable();
     tx.after_commit(Effect::LeaseEnded(rec.resource.clone()));
+    // Reservations end in the same transaction as their owner.
+    crate::ports::ops::release_all(tx, cx, &rec.id).await?;
     append(
         tx,
         cx.now,
@@ -98,7 +90,7 @@ async fn apply_table(
 }
 
 /// The parent `id` if it is current with `token`, else `parent_fenced`.
-async fn current_parent(
+pub(crate) async fn current_parent(
     tx: &mut dyn Tx,
     cx: Ctx<'_>,
     id: &str,

@@ -1,0 +1,120 @@
+//! Signals that reach only the process that was recorded: a pidfd is opened
+//! first, the identity is checked through it, and the signal goes through
+//! the same pidfd (or to the group that the verified leader leads).
+
+use std::os::fd::OwnedFd;
+
+use rustix::process::{Pid, PidfdFlags, Signal, pidfd_open, pidfd_send_signal};
+
+use super::{Host, ObserveError};
+use crate::model::Identity;
+
+/// The recorded process, checked now.
+#[derive(Debug)]
+pub enum Verified {
+    /// The same process: signal it through this pidfd.
+    Same(OwnedFd),
+    /// No process with that pid, or only its zombie.
+    Absent,
+    /// The pid now belongs to another process: signal nothing.
+    Reused,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sig {
+    Term,
+    Kill,
+}
+
+impl Sig {
+    fn raw(self) -> Signal {
+        match self {
+            Sig::Term => Signal::TERM,
+            Sig::Kill => Signal::KILL,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Sig::Term => "SIGTERM",
+            Sig::Kill => "SIGKILL",
+        }
+    }
+}
+
+/// Open a pidfd for `recorded.pid`, then decide whether it is the recorded
+/// process. The check happens after the open, so a later signal through the
+/// pidfd reaches the process that was checked, never a successor.
+pub fn verify(host: &dyn Host, recorded: &Identity) -> Result<Verified, ObserveError> {
+    let Some(pid) = Pid::from_raw(recorded.pid) else {
+        return Ok(Verified::Absent);
+    };
+    let fd = match pidfd_open(pid, PidfdFlags::empty()) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::SRCH) => return Ok(Verified::Absent),
+        Err(e) => {
+            return Err(ObserveError::Unreadable { pid: recorded.pid, source: e.into() });
+        }
+    };
+    match host.observe(recorded.pid) {
+        Ok(now) if recorded.same_process(&now) => Ok(Verified::Same(fd)),
+        Ok(_) => Ok(Verified::Reused),
+        Err(ObserveError::NotFound(_)) => Ok(Verified::Absent),
+        Err(e) => Err(e),
+    }
+}
+
+/// Signal the verified process itself.
+pub fn signal_process(fd: &OwnedFd, sig: Sig) -> std::io::Result<()> {
+    pidfd_send_signal(fd, sig.raw()).map_err(Into::into)
+}
+
+/// Signal a whole process group. Call only while its leader is verified, or
+/// while the leader is gone and the group still exists: Linux does not give
+/// a number still used by a live group to a new process.
+pub fn signal_group(pgid: i32, sig: Sig) -> std::io::Result<()> {
+    let pid = Pid::from_raw(pgid).ok_or_else(|| std::io::Error::other("invalid process group"))?;
+    rustix::process::kill_process_group(pid, sig.raw()).map_err(Into::into)
+}
+
+/// Whether any process is left in group `pgid`.
+pub fn group_alive(pgid: i32) -> bool {
+    Pid::from_raw(pgid).is_some_and(|p| rustix::process::test_kill_process_group(p).is_ok())
+}
+
+/// The server's own pid, process group and session, which it never signals.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnIds {
+    pub pid: i32,
+    pub pgid: i32,
+    pub sid: i32,
+    pub uid: u32,
+}
+
+impl OwnIds {
+    pub fn read() -> Self {
+        let pid = rustix::process::getpid();
+        Self {
+            pid: pid.as_raw_nonzero().get(),
+            pgid: rustix::process::getpgrp().as_raw_nonzero().get(),
+            sid: rustix::process::getsid(None).map_or(0, |p| p.as_raw_nonzero().get()),
+            uid: rustix::process::getuid().as_raw(),
+        }
+    }
+
+    /// Why the server refuses to act on `ident`, if it does.
+    pub fn refusal(&self, ident: &Identity) -> Option<String> {
+        if ident.pid == 1 {
+            return Some("pid 1 is never signalled".into());
+        }
+        if ident.pid == self.pid {
+            return Some("that is the holdfast server itself".into());
+        }
+        if ident.pgid == Some(self.pgid) {
+            return Some("that process is in the server's own process group".into());
+        }
+        if ident.sid == Some(self.sid) && self.sid != 0 {
+            return Some("that process is in the server's own session".into());
+        }
+        None
+    }
+}

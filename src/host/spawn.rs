@@ -1,0 +1,134 @@
+//! Starting child processes and reaping them. holdfast reaps every child
+//! itself (`waitpid(-1)` on SIGCHLD): as a child subreaper it also inherits
+//! the orphaned descendants of its children, which must not stay zombies.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rustix::process::{WaitOptions, waitpid};
+use tokio::sync::oneshot;
+
+use crate::model::Exit;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct SpawnSpec {
+    pub argv: Vec<String>,
+    pub cwd: Option<PathBuf>,
+    /// Added to the server's environment, after its `HOLDFAST_*` variables are removed.
+    pub env: BTreeMap<String, String>,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+}
+
+/// Why a program cannot be started, before anything is recorded.
+pub fn check_program(argv0: &str, cwd: Option<&Path>) -> Result<PathBuf, String> {
+    let candidates: Vec<PathBuf> = if argv0.contains('/') {
+        let p = PathBuf::from(argv0);
+        vec![match cwd {
+            Some(dir) if p.is_relative() => dir.join(p),
+            _ => p,
+        }]
+    } else {
+        let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+        std::env::split_paths(&path).map(|d| d.join(argv0)).collect()
+    };
+    for c in &candidates {
+        if let Ok(meta) = std::fs::metadata(c)
+            && meta.is_file()
+            && meta.permissions().mode() & 0o111 != 0
+        {
+            return Ok(c.clone());
+        }
+    }
+    Err(format!("{argv0:?} is not an executable file{}", if argv0.contains('/') { "" } else { " on PATH" }))
+}
+
+/// Children holdfast started and waits for; exits of others (inherited
+/// orphans) are reaped and dropped.
+#[derive(Default)]
+pub struct Reaper {
+    waiting: Mutex<HashMap<i32, oneshot::Sender<Exit>>>,
+}
+
+impl Reaper {
+    /// Become a child subreaper and start reaping on SIGCHLD.
+    pub fn start() -> std::io::Result<Arc<Self>> {
+        let pid = rustix::process::getpid();
+        if let Err(e) = rustix::process::set_child_subreaper(Some(pid)) {
+            tracing::warn!(error = %e, "cannot become a child subreaper: orphaned grandchildren will not be reaped by holdfast");
+        }
+        let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())?;
+        let me = Arc::new(Self::default());
+        let reaper = me.clone();
+        tokio::spawn(async move {
+            loop {
+                reaper.reap();
+                if sigchld.recv().await.is_none() {
+                    return;
+                }
+            }
+        });
+        Ok(me)
+    }
+
+    fn reap(&self) {
+        // Held across waitpid, so that `spawn` can read a new child's
+        // identity before its zombie can be reaped.
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            match waitpid(None, WaitOptions::NOHANG) {
+                Ok(Some((pid, status))) => {
+                    let pid = pid.as_raw_nonzero().get();
+                    let exit = Exit { code: status.exit_status(), signal: status.terminating_signal() };
+                    if let Some(tx) = waiting.remove(&pid) {
+                        let _ = tx.send(exit);
+                    }
+                }
+                // No child has exited (Ok(None)) or there are none (ECHILD).
+                Ok(None) | Err(_) => return,
+            }
+        }
+    }
+
+    /// Start `spec` in a new process group with output to its log files, and
+    /// read its identity with `observe` while it cannot yet be reaped (the
+    /// lock is held from the spawn on). Returns the identity and a receiver
+    /// for the child's exit.
+    pub fn spawn<T>(
+        &self,
+        spec: &SpawnSpec,
+        observe: impl FnOnce(i32) -> T,
+    ) -> std::io::Result<(T, oneshot::Receiver<Exit>)> {
+        let (program, args) = spec.argv.split_first().ok_or_else(|| std::io::Error::other("empty argv"))?;
+        let stdout = File::create(&spec.stdout)?;
+        let stderr = File::create(&spec.stderr)?;
+        let mut cmd = std::process::Command::new(program);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .process_group(0);
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("HOLDFAST_") {
+                cmd.env_remove(key);
+            }
+        }
+        cmd.envs(&spec.env);
+        if let Some(dir) = &spec.cwd {
+            cmd.current_dir(dir);
+        }
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        // The Child handle is dropped without waiting: the reaper collects it.
+        let child = cmd.spawn()?;
+        let pid = i32::try_from(child.id()).map_err(|_| std::io::Error::other("pid out of range"))?;
+        let (tx, rx) = oneshot::channel();
+        waiting.insert(pid, tx);
+        Ok((observe(pid), rx))
+    }
+}

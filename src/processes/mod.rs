@@ -1,0 +1,331 @@
+//! Managed processes: spawn or register, watch, stop safely, and reclaim the
+//! ones whose owner went away. The rules live in `ops` (transactions) and
+//! `stop` (signals); this type runs them and keeps the watchers.
+
+pub mod ops;
+pub mod stop;
+
+use std::collections::{BTreeMap, HashSet};
+use std::ops::RangeInclusive;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::host::Host;
+use crate::host::signal::{self, OwnIds, Verified};
+use crate::host::spawn::{Reaper, SpawnSpec, check_program};
+use crate::leases::ops::Ctx;
+use crate::model::{Command, Exit, Identity, Logs, ProcessRecord, ProcessState, ProcessView, TokenRef};
+use crate::store::{Store, StoreError};
+use crate::time::now_ms;
+use ops::{Create, ProcError, StopStart, Stopped};
+use stop::{StopParams, stop_tree};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("process refused: {0:?}")]
+    Proc(ProcError),
+    /// A request member that cannot work (the program cannot be executed, ...).
+    #[error("{field}: {detail}")]
+    Invalid { field: &'static str, detail: String },
+    #[error("no live process with pid {0} on this host")]
+    ProcessNotFound(i32),
+    #[error("{0}")]
+    Unverifiable(String),
+}
+
+impl From<ProcError> for Error {
+    fn from(e: ProcError) -> Self {
+        Self::Proc(e)
+    }
+}
+
+/// A spawn or register request, validated.
+pub struct CreateRequest {
+    pub kind: String,
+    pub operation_id: Option<String>,
+    pub lease: Option<TokenRef>,
+    pub owner: Option<Identity>,
+    pub ttl_ms: Option<i64>,
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+    pub command: Option<Command>,
+    pub ports: Vec<String>,
+}
+
+pub const DEFAULT_GRACE: Duration = Duration::from_millis(5000);
+
+pub struct Processes {
+    store: Store,
+    host: Arc<dyn Host>,
+    reaper: Arc<Reaper>,
+    own: OwnIds,
+    logs_dir: PathBuf,
+    /// Orphans whose stop is in progress, so a pass does not start another.
+    claiming: Mutex<HashSet<String>>,
+}
+
+macro_rules! run {
+    ($self:ident, $durable:expr, |$tx:ident, $cx:ident| $body:expr) => {{
+        let host = $self.host.clone();
+        $self
+            .store
+            .write($durable, move |$tx| {
+                Box::pin(async move {
+                    let $cx = Ctx { host: host.as_ref(), now: now_ms() };
+                    $body.await
+                })
+            })
+            .await
+    }};
+}
+
+impl Processes {
+    pub fn new(store: Store, host: Arc<dyn Host>, reaper: Arc<Reaper>, data_dir: &Path) -> std::io::Result<Arc<Self>> {
+        let logs_dir = data_dir.join("logs");
+        std::fs::create_dir_all(&logs_dir)?;
+        Ok(Arc::new(Self { store, host, reaper, own: OwnIds::read(), logs_dir, claiming: Mutex::default() }))
+    }
+
+    pub fn host(&self) -> &dyn Host {
+        self.host.as_ref()
+    }
+
+    fn host_id(&self) -> String {
+        self.host.local().host_id.clone()
+    }
+
+    /// Spawn (with `command`) or register (without) a process.
+    pub async fn create(self: &Arc<Self>, req: CreateRequest, port_range: RangeInclusive<u16>) -> Result<ProcessView, Error> {
+        if let Some(cmd) = &req.command {
+            let cwd = cmd.cwd.as_deref().map(Path::new);
+            if let Some(dir) = cwd
+                && !dir.is_dir()
+            {
+                return Err(Error::Invalid { field: "command.cwd", detail: format!("{} is not a directory", dir.display()) });
+            }
+            let argv0 = cmd.argv.first().map_or("", String::as_str);
+            check_program(argv0, cwd).map_err(|detail| Error::Invalid { field: "command.argv", detail })?;
+        }
+        let id = uuid::Uuid::now_v7().to_string();
+        let logs = req.command.as_ref().map(|_| Logs {
+            stdout: self.logs_dir.join(format!("{id}.out")).display().to_string(),
+            stderr: self.logs_dir.join(format!("{id}.err")).display().to_string(),
+        });
+        let create = Create {
+            id: id.clone(),
+            kind: req.kind,
+            operation_id: req.operation_id,
+            lease: req.lease,
+            owner: req.owner,
+            ttl_ms: req.ttl_ms,
+            metadata: req.metadata,
+            command: req.command.clone(),
+            logs: logs.clone(),
+            port_names: req.ports.clone(),
+            port_range,
+        };
+        let host_id = self.host_id();
+        let (rec, ports) = run!(self, true, |tx, cx| ops::create(tx, cx, &host_id, create))??;
+        let (Some(cmd), Some(logs)) = (req.command, logs) else {
+            return Ok(self.view(rec, ports));
+        };
+        let mut env = cmd.env.clone();
+        for (i, name) in req.ports.iter().enumerate() {
+            let port = ports.get(name).map(u16::to_string).unwrap_or_default();
+            if i == 0 {
+                env.insert("PORT".into(), port.clone());
+            }
+            env.insert(crate::ports::env_var(name), port);
+        }
+        let spec = SpawnSpec {
+            argv: cmd.argv,
+            cwd: cmd.cwd.map(PathBuf::from),
+            env,
+            stdout: PathBuf::from(logs.stdout),
+            stderr: PathBuf::from(logs.stderr),
+        };
+        let host = self.host.clone();
+        let spawned = self.reaper.spawn(&spec, |pid| host.observe_child(pid));
+        let (identity, exit_rx) = match spawned {
+            Ok((Ok(identity), rx)) => (identity, rx),
+            Ok((Err(e), _)) => {
+                let reason = format!("spawn_failed: cannot read the child's identity: {e}");
+                let failed_id = id.clone();
+                run!(self, true, |tx, cx| ops::spawn_failed(tx, cx, &failed_id, reason))?;
+                return Err(Error::Unverifiable(e.to_string()));
+            }
+            Err(e) => {
+                let reason = format!("spawn_failed: {e}");
+                let failed_id = id.clone();
+                run!(self, true, |tx, cx| ops::spawn_failed(tx, cx, &failed_id, reason))?;
+                return Err(Error::Invalid { field: "command.argv", detail: format!("cannot execute: {e}") });
+            }
+        };
+        let pid = identity.pid;
+        let started_id = id.clone();
+        let view = run!(self, true, |tx, cx| ops::started(tx, cx, &started_id, identity))??;
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Ok(exit) = exit_rx.await {
+                me.record_exit(id, pid, exit).await;
+            }
+        });
+        Ok(view)
+    }
+
+    async fn record_exit(&self, id: String, pid: i32, exit: Exit) {
+        let pid_id = id.clone();
+        let res = run!(self, true, |tx, cx| ops::exited(tx, cx, &pid_id, pid, exit, "exited"));
+        if let Err(e) = res {
+            tracing::warn!(process = %id, error = %e, "recording an exit failed; the reconciler will retry");
+        }
+    }
+
+    /// Watch a process that is not our child (confirmed, or found again
+    /// after a restart) until it exits; its exit status is then unknown.
+    fn watch(self: &Arc<Self>, rec: &ProcessRecord) {
+        let Some(ident) = rec.identity.clone() else { return };
+        let me = self.clone();
+        let id = rec.id.clone();
+        tokio::spawn(async move {
+            if let Ok(Verified::Same(fd)) = signal::verify(me.host.as_ref(), &ident) {
+                crate::host::watch::exited(fd).await;
+            }
+            me.record_exit(id, ident.pid, Exit::default()).await;
+        });
+    }
+
+    fn view(&self, rec: ProcessRecord, ports: BTreeMap<String, u16>) -> ProcessView {
+        let judged = rec.identity.as_ref().map(|i| self.host.judge(i));
+        ProcessView::new(rec, judged, ports)
+    }
+
+    /// One process as it is now.
+    pub async fn get(&self, id: &str) -> Result<Option<ProcessView>, StoreError> {
+        let Some(rec) = self.store.backend().get_process(id).await? else { return Ok(None) };
+        Ok(Some(self.with_ports(rec).await?))
+    }
+
+    pub async fn with_ports(&self, rec: ProcessRecord) -> Result<ProcessView, StoreError> {
+        let ports = self.store.backend().owner_ports(&rec.id).await?;
+        Ok(self.view(rec, ports.into_iter().map(|p| (p.name, p.port)).collect()))
+    }
+
+    /// The identity of `pid`, if the server may act on it.
+    fn identity_for(&self, pid: i32) -> Result<Identity, Error> {
+        let ident = self.host.observe(pid).map_err(|e| match e {
+            crate::host::ObserveError::NotFound(_) => Error::ProcessNotFound(pid),
+            other => Error::Unverifiable(other.to_string()),
+        })?;
+        if let Some(why) = self.own.refusal(&ident) {
+            return Err(ProcError::Forbidden(why).into());
+        }
+        Ok(ident)
+    }
+
+    pub async fn confirm(self: &Arc<Self>, id: String, token: i64, pid: i32, process_group: bool) -> Result<ProcessView, Error> {
+        let mut ident = self.identity_for(pid)?;
+        if process_group && ident.pgid != Some(pid) {
+            return Err(Error::Invalid {
+                field: "process_group",
+                detail: format!("pid {pid} does not lead its process group"),
+            });
+        }
+        if !process_group {
+            // Only a group the process leads is ever signalled.
+            ident.pgid = ident.pgid.filter(|g| *g != pid);
+        }
+        let view = run!(self, true, |tx, cx| ops::confirm(tx, cx, &id, token, ident))??;
+        if let Some(rec) = self.store.backend().get_process(&view.id).await? {
+            self.watch(&rec);
+        }
+        Ok(view)
+    }
+
+    pub async fn heartbeat(&self, id: String, token: i64, ttl_ms: Option<i64>) -> Result<ProcessView, Error> {
+        let durable = !self.store.backend().relaxed_renewals();
+        Ok(run!(self, durable, |tx, cx| ops::heartbeat(tx, cx, &id, token, ttl_ms))??)
+    }
+
+    pub async fn stop(&self, id: String, token: i64, params: StopParams) -> Result<ProcessView, Error> {
+        let (own, host_id) = (self.own, self.host_id());
+        let sid = id.clone();
+        let start = run!(self, true, |tx, cx| ops::begin_stop(tx, cx, &sid, token, own, &host_id))??;
+        let rec = match start {
+            StopStart::Done(view) => return Ok(view),
+            StopStart::Signal(rec) => rec,
+        };
+        let outcome = stop_tree(self.host.as_ref(), &rec, &params).await;
+        let reason = Some(params.reason);
+        Ok(run!(self, true, |tx, cx| ops::end_stop(tx, cx, &id, rec.token, outcome, reason))??)
+    }
+
+    pub async fn finish(
+        &self,
+        id: String,
+        token: i64,
+        state: ProcessState,
+        reason: Option<String>,
+        exit_code: Option<i32>,
+    ) -> Result<ProcessView, Error> {
+        Ok(run!(self, true, |tx, cx| ops::finish(tx, cx, &id, token, state, reason, exit_code))??)
+    }
+
+    /// At startup: watch the processes of this host that still run, and
+    /// end those that exited while the server was down.
+    pub async fn adopt(self: &Arc<Self>) -> Result<(), StoreError> {
+        for rec in self.store.backend().current_processes(&self.host_id()).await? {
+            if rec.identity.is_some() && matches!(rec.state, ProcessState::Running | ProcessState::Stopping) {
+                self.watch(&rec);
+            }
+        }
+        Ok(())
+    }
+
+    /// The reconciler's pass: claim and stop orphans, retry orphans that
+    /// would not die, and end records whose process is gone unnoticed.
+    pub async fn reconcile(self: &Arc<Self>) -> Result<usize, StoreError> {
+        let mut claimed = 0;
+        for rec in self.store.backend().current_processes(&self.host_id()).await? {
+            if self.claiming.lock().unwrap_or_else(PoisonError::into_inner).contains(&rec.id) {
+                continue;
+            }
+            let orphan = if rec.state == ProcessState::Orphaned {
+                Some(rec)
+            } else {
+                let id = rec.id.clone();
+                let c = run!(self, true, |tx, cx| ops::claim(tx, cx, &id))?;
+                claimed += usize::from(c.is_some());
+                c
+            };
+            if let Some(orphan) = orphan {
+                self.stop_orphan(orphan);
+            }
+        }
+        Ok(claimed)
+    }
+
+    fn stop_orphan(self: &Arc<Self>, rec: ProcessRecord) {
+        self.claiming.lock().unwrap_or_else(PoisonError::into_inner).insert(rec.id.clone());
+        let me = self.clone();
+        tokio::spawn(async move {
+            let params = StopParams { grace: DEFAULT_GRACE, force: true, reason: "orphan_reconciled".into() };
+            let outcome = stop_tree(me.host.as_ref(), &rec, &params).await;
+            let (id, token) = (rec.id.clone(), rec.token);
+            if let Err(e) = run!(me, true, |tx, cx| ops::end_orphan(tx, cx, &id, token, outcome)) {
+                tracing::warn!(process = %rec.id, error = %e, "recording an orphan's stop failed");
+            }
+            if outcome == Stopped::NotSettled {
+                tracing::warn!(process = %rec.id, "orphan's process tree did not settle; will retry");
+            }
+            me.claiming.lock().unwrap_or_else(PoisonError::into_inner).remove(&rec.id);
+        });
+    }
+
+    /// Whether `path` is one of this server's log files (guards the logs endpoint).
+    pub fn owns_log(&self, path: &Path) -> bool {
+        path.starts_with(&self.logs_dir)
+    }
+}

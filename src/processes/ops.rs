@@ -1,0 +1,380 @@
+//! Process mutations as transaction scripts: each runs inside one write
+//! transaction, re-reads the record, checks its token, and appends its events.
+
+use std::collections::BTreeMap;
+use std::ops::RangeInclusive;
+
+use serde_json::{Value, json};
+
+use crate::events::{Subject, append};
+use crate::host::signal::OwnIds;
+use crate::leases::ops::{Ctx, current_parent};
+use crate::leases::{LeaseError, rules::expiry};
+use crate::model::{
+    Command, Exit, Identity, Liveness, Logs, PortOwner, ProcessRecord, ProcessState, ProcessView, TokenRef,
+};
+use crate::ports::ops as ports;
+use crate::store::{Result, Tx};
+
+/// A refusal the contract names; the store's state is still committed.
+#[derive(Debug, Clone)]
+pub enum ProcError {
+    NotFound,
+    Fenced(Box<ProcessView>),
+    OperationInProgress(Box<ProcessView>),
+    /// The owning lease is not current (`parent_fenced`).
+    LeaseFenced(Option<Box<crate::model::LeaseView>>),
+    ProcessAlive(Box<ProcessView>),
+    RemoteProcess(Box<ProcessView>),
+    Forbidden(String),
+    PortsExhausted,
+    /// The pid is now another process; nothing was signalled.
+    IdentityMismatch(Box<ProcessView>),
+    NotSettled(Box<ProcessView>),
+}
+
+pub type Outcome<T> = std::result::Result<T, ProcError>;
+
+/// The process as the API shows it, with its ports and its identity judged now.
+pub async fn view(tx: &mut dyn Tx, cx: Ctx<'_>, rec: ProcessRecord) -> Result<ProcessView> {
+    let ports: BTreeMap<String, u16> = tx.ports_of(&rec.id).await?.into_iter().map(|p| (p.name, p.port)).collect();
+    let judged = rec.identity.as_ref().map(|i| cx.host.judge(i));
+    Ok(ProcessView::new(rec, judged, ports))
+}
+
+async fn boxed(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &ProcessRecord) -> Result<Box<ProcessView>> {
+    Ok(Box::new(view(tx, cx, rec.clone()).await?))
+}
+
+async fn event(tx: &mut dyn Tx, cx: Ctx<'_>, kind: &str, rec: &ProcessRecord, detail: Value) -> Result<ProcessView> {
+    let v = view(tx, cx, rec.clone()).await?;
+    append(tx, cx.now, kind, Subject::Process(&v), detail).await?;
+    Ok(v)
+}
+
+/// End a current process in `state`, free its ports, and record why.
+async fn end(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &mut ProcessRecord, state: ProcessState, reason: String) -> Result<ProcessView> {
+    rec.state = state;
+    rec.ended_at = Some(cx.now);
+    rec.end_reason = Some(reason);
+    tx.update_process(rec).await?;
+    tx.require_durable();
+    ports::release_all(tx, cx, &rec.id).await?;
+    event(tx, cx, &format!("process.{}", state.as_str()), rec, Value::Null).await
+}
+
+/// A process record about to be created.
+pub struct Create {
+    pub id: String,
+    pub kind: String,
+    pub operation_id: Option<String>,
+    pub lease: Option<TokenRef>,
+    pub owner: Option<Identity>,
+    pub ttl_ms: Option<i64>,
+    pub metadata: serde_json::Map<String, Value>,
+    pub command: Option<Command>,
+    pub logs: Option<Logs>,
+    pub port_names: Vec<String>,
+    pub port_range: RangeInclusive<u16>,
+}
+
+/// Record a `starting` process, with its ports, after checking that its
+/// operation id is free and its lease current. Nothing is written when a
+/// check fails.
+pub async fn create(tx: &mut dyn Tx, cx: Ctx<'_>, host_id: &str, c: Create) -> Result<Outcome<(ProcessRecord, BTreeMap<String, u16>)>> {
+    if let Some(op) = &c.operation_id
+        && let Some(other) = tx.process_by_operation(op).await?
+    {
+        return Ok(Err(ProcError::OperationInProgress(boxed(tx, cx, &other).await?)));
+    }
+    if let Some(l) = &c.lease {
+        match current_parent(tx, cx, &l.id, l.token).await? {
+            Ok(_) => {}
+            Err(LeaseError::ParentFenced(v)) => return Ok(Err(ProcError::LeaseFenced(v))),
+            Err(_) => return Ok(Err(ProcError::LeaseFenced(None))),
+        }
+    }
+    let Some(picked) = ports::pick(tx, host_id, &c.port_names, c.port_range).await? else {
+        return Ok(Err(ProcError::PortsExhausted));
+    };
+    let rec = ProcessRecord {
+        id: c.id,
+        kind: c.kind,
+        state: ProcessState::Starting,
+        token: 1,
+        operation_id: c.operation_id,
+        lease: c.lease,
+        host_id: host_id.to_owned(),
+        identity: None,
+        owner: c.owner,
+        spawned: c.command.is_some(),
+        command: c.command,
+        logs: c.logs,
+        exit: Exit::default(),
+        ttl_ms: c.ttl_ms,
+        expires_at: expiry(c.ttl_ms, cx.now),
+        created_at: cx.now,
+        started_at: None,
+        ended_at: None,
+        end_reason: None,
+        metadata: c.metadata,
+    };
+    tx.insert_process(&rec).await?;
+    let owner = PortOwner { process: Some(TokenRef { id: rec.id.clone(), token: rec.token }), lease: None };
+    let reserved = ports::insert(tx, cx, host_id, &owner, picked).await?;
+    event(tx, cx, "process.registered", &rec, Value::Null).await?;
+    let ports = reserved.into_iter().map(|p| (p.name, p.port)).collect();
+    Ok(Ok((rec, ports)))
+}
+
+/// A spawned child is running with this identity.
+pub async fn started(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, identity: Identity) -> Result<Outcome<ProcessView>> {
+    let Some(mut rec) = tx.process(id).await? else {
+        return Ok(Err(ProcError::NotFound));
+    };
+    if rec.state != ProcessState::Starting {
+        return Ok(Err(ProcError::Fenced(boxed(tx, cx, &rec).await?)));
+    }
+    rec.state = ProcessState::Running;
+    rec.identity = Some(identity);
+    rec.started_at = Some(cx.now);
+    tx.update_process(&rec).await?;
+    Ok(Ok(event(tx, cx, "process.running", &rec, Value::Null).await?))
+}
+
+/// The spawn failed after the record was made: it ends `failed`.
+pub async fn spawn_failed(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, reason: String) -> Result<()> {
+    if let Some(mut rec) = tx.process(id).await?
+        && rec.state.is_current()
+    {
+        end(tx, cx, &mut rec, ProcessState::Failed, reason).await?;
+    }
+    Ok(())
+}
+
+async fn fenced(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64) -> Result<Outcome<ProcessRecord>> {
+    let Some(rec) = tx.process(id).await? else {
+        return Ok(Err(ProcError::NotFound));
+    };
+    if rec.token != token {
+        return Ok(Err(ProcError::Fenced(boxed(tx, cx, &rec).await?)));
+    }
+    Ok(Ok(rec))
+}
+
+pub async fn confirm(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, identity: Identity) -> Result<Outcome<ProcessView>> {
+    let rec = match fenced(tx, cx, id, token).await? {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(e)),
+    };
+    let same = rec.identity.as_ref().is_some_and(|i| i.same_process(&identity));
+    if rec.state == ProcessState::Running && same {
+        return Ok(Ok(view(tx, cx, rec).await?));
+    }
+    if rec.state != ProcessState::Starting {
+        return Ok(Err(ProcError::Fenced(boxed(tx, cx, &rec).await?)));
+    }
+    started(tx, cx, id, identity).await
+}
+
+pub async fn heartbeat(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, ttl_ms: Option<i64>) -> Result<Outcome<ProcessView>> {
+    let mut rec = match fenced(tx, cx, id, token).await? {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(e)),
+    };
+    if !rec.state.is_current() {
+        return Ok(Err(ProcError::Fenced(boxed(tx, cx, &rec).await?)));
+    }
+    rec.ttl_ms = ttl_ms.or(rec.ttl_ms);
+    rec.expires_at = expiry(rec.ttl_ms, cx.now);
+    tx.update_process(&rec).await?;
+    Ok(Ok(view(tx, cx, rec).await?))
+}
+
+/// What a stop request finds.
+pub enum StopStart {
+    /// Nothing to signal: the answer is this record.
+    Done(ProcessView),
+    /// Signal this record's process; it is now `stopping` (or stays `orphaned`).
+    Signal(ProcessRecord),
+}
+
+/// Begin a stop: fence, refuse what must not be signalled, mark `stopping`.
+pub async fn begin_stop(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, own: OwnIds, host_id: &str) -> Result<Outcome<StopStart>> {
+    let mut rec = match fenced(tx, cx, id, token).await? {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(e)),
+    };
+    if !rec.state.is_current() {
+        return Ok(Ok(StopStart::Done(view(tx, cx, rec).await?)));
+    }
+    if rec.state == ProcessState::Starting {
+        let v = end(tx, cx, &mut rec, ProcessState::Stopped, "stopped_before_start".into()).await?;
+        return Ok(Ok(StopStart::Done(v)));
+    }
+    let remote = rec.host_id != host_id
+        || rec.identity.as_ref().is_some_and(|i| cx.host.judge(i).status == Liveness::Remote);
+    if remote {
+        return Ok(Err(ProcError::RemoteProcess(boxed(tx, cx, &rec).await?)));
+    }
+    if let Some(why) = rec.identity.as_ref().filter(|_| !rec.spawned).and_then(|i| own.refusal(i)) {
+        return Ok(Err(ProcError::Forbidden(why)));
+    }
+    if rec.state == ProcessState::Running {
+        rec.state = ProcessState::Stopping;
+        tx.update_process(&rec).await?;
+    }
+    Ok(Ok(StopStart::Signal(rec)))
+}
+
+/// How the stop procedure went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// The process and its group are gone.
+    Settled,
+    /// Still alive after TERM, grace (and KILL when forced).
+    NotSettled,
+    /// The pid belongs to another process now: nothing was signalled.
+    Reused,
+}
+
+/// Record the end of a stop that `begin_stop` began with `token`.
+pub async fn end_stop(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    token: i64,
+    outcome: Stopped,
+    reason: Option<String>,
+) -> Result<Outcome<ProcessView>> {
+    let mut rec = match fenced(tx, cx, id, token).await? {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(e)),
+    };
+    if !rec.state.is_current() {
+        return Ok(Ok(view(tx, cx, rec).await?));
+    }
+    match outcome {
+        Stopped::Settled => {
+            let reason = reason.unwrap_or_else(|| "stopped".into());
+            Ok(Ok(end(tx, cx, &mut rec, ProcessState::Stopped, reason).await?))
+        }
+        Stopped::Reused => {
+            let v = end(tx, cx, &mut rec, ProcessState::Exited, "pid_reused".into()).await?;
+            Ok(Err(ProcError::IdentityMismatch(Box::new(v))))
+        }
+        Stopped::NotSettled => {
+            if rec.state == ProcessState::Stopping {
+                rec.state = ProcessState::Running;
+                tx.update_process(&rec).await?;
+            }
+            Ok(Err(ProcError::NotSettled(boxed(tx, cx, &rec).await?)))
+        }
+    }
+}
+
+/// The client reports how a process it runs itself ended.
+pub async fn finish(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    token: i64,
+    state: ProcessState,
+    reason: Option<String>,
+    exit_code: Option<i32>,
+) -> Result<Outcome<ProcessView>> {
+    let mut rec = match fenced(tx, cx, id, token).await? {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(e)),
+    };
+    if !rec.state.is_current() {
+        return Ok(Ok(view(tx, cx, rec).await?));
+    }
+    if rec.identity.as_ref().is_some_and(|i| cx.host.judge(i).status == Liveness::Live) {
+        return Ok(Err(ProcError::ProcessAlive(boxed(tx, cx, &rec).await?)));
+    }
+    if exit_code.is_some() {
+        rec.exit.code = exit_code;
+    }
+    let reason = reason.unwrap_or_else(|| state.as_str().to_owned());
+    Ok(Ok(end(tx, cx, &mut rec, state, reason).await?))
+}
+
+/// The watched process exited. A `running` record ends `exited`; one being
+/// stopped only learns its exit status (the stopper ends it).
+pub async fn exited(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, pid: i32, exit: Exit, reason: &str) -> Result<()> {
+    let Some(mut rec) = tx.process(id).await? else { return Ok(()) };
+    if rec.pid() != Some(pid) {
+        return Ok(());
+    }
+    let known = exit.code.is_some() || exit.signal.is_some();
+    match rec.state {
+        ProcessState::Running => {
+            rec.exit = exit;
+            end(tx, cx, &mut rec, ProcessState::Exited, reason.to_owned()).await?;
+        }
+        _ if known && rec.exit == Exit::default() => {
+            rec.exit = exit;
+            tx.update_process(&rec).await?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Why the reconciler would claim `rec`: its lease ended, or its heartbeat
+/// TTL passed while its owner is not live.
+pub async fn claim_reason(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &ProcessRecord) -> Result<Option<&'static str>> {
+    if !matches!(rec.state, ProcessState::Starting | ProcessState::Running | ProcessState::Stopping) {
+        return Ok(None);
+    }
+    if let Some(l) = &rec.lease {
+        let lease = tx.lease(&l.id).await?;
+        if !lease.is_some_and(|x| x.state.is_current() && x.token == l.token) {
+            return Ok(Some("lease_ended"));
+        }
+    }
+    let ttl_passed = rec.expires_at.is_some_and(|at| cx.now >= at);
+    let owner_live = rec.owner.as_ref().is_some_and(|o| cx.host.judge(o).status == Liveness::Live);
+    if ttl_passed && !owner_live {
+        return Ok(Some("heartbeat_expired"));
+    }
+    Ok(None)
+}
+
+/// The reconciler claims `id` if it still must: a new token fences the old
+/// holder, and the record is `orphaned` until its tree is stopped.
+pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<ProcessRecord>> {
+    let Some(mut rec) = tx.process(id).await? else { return Ok(None) };
+    let Some(why) = claim_reason(tx, cx, &rec).await? else { return Ok(None) };
+    rec.token += 1;
+    if rec.state == ProcessState::Starting {
+        end(tx, cx, &mut rec, ProcessState::Stopped, "orphan_reconciled".into()).await?;
+        return Ok(None);
+    }
+    rec.state = ProcessState::Orphaned;
+    tx.update_process(&rec).await?;
+    tx.require_durable();
+    event(tx, cx, "process.orphaned", &rec, json!({ "reason": why })).await?;
+    Ok(Some(rec))
+}
+
+/// The reconciler's stop of an orphan is over.
+pub async fn end_orphan(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, outcome: Stopped) -> Result<()> {
+    let Some(mut rec) = tx.process(id).await? else { return Ok(()) };
+    if rec.token != token || rec.state != ProcessState::Orphaned {
+        return Ok(());
+    }
+    match outcome {
+        Stopped::Settled => {
+            end(tx, cx, &mut rec, ProcessState::Stopped, "orphan_reconciled".into()).await?;
+        }
+        Stopped::Reused => {
+            end(tx, cx, &mut rec, ProcessState::Exited, "pid_reused".into()).await?;
+        }
+        Stopped::NotSettled => {
+            event(tx, cx, "process.kill_failed", &rec, json!({ "reason": "process tree did not settle after SIGKILL" })).await?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! The stop procedure: verify, SIGTERM, wait up to the grace period, SIGKILL
+//! when forced, and wait until the whole group is gone. Every signal is
+//! sent only after the recorded identity was verified through a pidfd.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::ops::Stopped;
+use crate::host::Host;
+use crate::host::signal::{self, Sig, Verified};
+use crate::model::{Identity, ProcessRecord};
+
+/// How long a tree may take to go after SIGKILL before it counts as not settled.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// Group membership has no exit event; it is checked this often.
+const POLL: Duration = Duration::from_millis(10);
+
+pub struct StopParams {
+    pub grace: Duration,
+    pub force: bool,
+    /// Why, for the log line of every signal.
+    pub reason: String,
+}
+
+enum Sent {
+    Signalled,
+    /// The leader and its group are gone: nothing to signal.
+    Gone,
+    /// The pid is another process now.
+    Reused,
+    Failed,
+}
+
+fn send(host: &dyn Host, ident: &Identity, pgid: Option<i32>, sig: Sig, reason: &str) -> Sent {
+    let log = |target: &str, result: &std::io::Result<()>| match result {
+        Ok(()) => tracing::info!(
+            pid = ident.pid, pgid, start_time = %ident.start_time, signal = sig.name(), target, reason,
+            "signal sent"
+        ),
+        Err(e) => tracing::warn!(
+            pid = ident.pid, pgid, start_time = %ident.start_time, signal = sig.name(), target, reason,
+            error = %e, "signal failed"
+        ),
+    };
+    match signal::verify(host, ident) {
+        Ok(Verified::Same(fd)) => {
+            let (target, result) = match pgid {
+                Some(g) => ("group", signal::signal_group(g, sig)),
+                None => ("process", signal::signal_process(&fd, sig)),
+            };
+            log(target, &result);
+            if result.is_ok() { Sent::Signalled } else { Sent::Failed }
+        }
+        // The leader is gone; its group may live on, and while it does its
+        // number cannot have been given to anyone else.
+        Ok(Verified::Absent) => match pgid.filter(|g| signal::group_alive(*g)) {
+            Some(g) => {
+                let result = signal::signal_group(g, sig);
+                log("group (leader gone)", &result);
+                if result.is_ok() { Sent::Signalled } else { Sent::Failed }
+            }
+            None => Sent::Gone,
+        },
+        Ok(Verified::Reused) => {
+            tracing::warn!(pid = ident.pid, start_time = %ident.start_time, reason, "pid reused by another process: nothing signalled");
+            Sent::Reused
+        }
+        Err(e) => {
+            tracing::warn!(pid = ident.pid, error = %e, "cannot verify the process; nothing signalled");
+            Sent::Failed
+        }
+    }
+}
+
+fn gone(host: &dyn Host, ident: &Identity, pgid: Option<i32>) -> bool {
+    let leader_gone = !matches!(signal::verify(host, ident), Ok(Verified::Same(_)));
+    leader_gone && !pgid.is_some_and(signal::group_alive)
+}
+
+async fn settled_within(host: &dyn Host, ident: &Identity, pgid: Option<i32>, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if gone(host, ident, pgid) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Stop the process of `rec` and, when it leads one, its process group.
+pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> Stopped {
+    let Some(ident) = &rec.identity else { return Stopped::Settled };
+    let pgid = rec.pgid();
+    match send(host, ident, pgid, Sig::Term, &p.reason) {
+        Sent::Reused => return Stopped::Reused,
+        Sent::Gone => return Stopped::Settled,
+        Sent::Signalled | Sent::Failed => {}
+    }
+    if settled_within(host, ident, pgid, p.grace).await {
+        return Stopped::Settled;
+    }
+    if !p.force {
+        return Stopped::NotSettled;
+    }
+    match send(host, ident, pgid, Sig::Kill, &p.reason) {
+        Sent::Gone => return Stopped::Settled,
+        Sent::Reused => return Stopped::Reused,
+        Sent::Signalled | Sent::Failed => {}
+    }
+    if settled_within(host, ident, pgid, KILL_WAIT).await { Stopped::Settled } else { Stopped::NotSettled }
+}
