@@ -73,9 +73,16 @@ impl App {
         let store = Store::new(Arc::new(backend));
         hub.event_committed(store.backend().last_event_seq().await?);
         let metrics = Arc::new(metrics::Metrics::default());
-        let leases = leases::Leases::new(store.clone(), host, hub.waiters.clone(), metrics.clone());
+        let leases = leases::Leases::new(store.clone(), host.clone(), hub.waiters.clone(), metrics.clone());
+        let reaper = host::spawn::Reaper::start()?;
+        let data_dir = config.data_dir();
+        let processes = processes::Processes::new(store.clone(), host.clone(), reaper, &data_dir)
+            .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
+        let ports = ports::Ports::new(store.clone(), host);
         let state = api::AppState {
             leases,
+            processes,
+            ports,
             store,
             hub,
             metrics,
@@ -97,9 +104,14 @@ impl App {
     ) -> Result<(), StartError> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let interval = Duration::from_millis(self.config.reconcile_interval_ms);
+        self.state.processes.adopt().await?;
         let reconciler = tokio::spawn(reconcile::run(
-            self.state.store.clone(),
-            self.state.leases.clone(),
+            reconcile::Parts {
+                store: self.state.store.clone(),
+                leases: self.state.leases.clone(),
+                processes: self.state.processes.clone(),
+                hub: self.state.hub.clone(),
+            },
             interval,
             stop_rx,
         ));

@@ -1,7 +1,9 @@
-//! The background loop that applies the takeover table on its own: leases
-//! whose owner died or whose TTL passed end within about one interval even
-//! when nobody tries to acquire them.
+//! The background loop that applies the rules on its own: leases whose
+//! owner died or whose TTL passed end within about one interval even when
+//! nobody tries to acquire them, and processes whose owner went away are
+//! claimed and stopped.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -9,12 +11,22 @@ use tokio::sync::watch;
 use crate::leases::Leases;
 use crate::leases::rules::{Verdict, verdict};
 use crate::store::{Store, StoreError};
+use crate::processes::Processes;
 use crate::time::now_ms;
+use crate::waiters::Hub;
 
-/// One pass: judge every lease that could need ending, outside any
-/// transaction, then end each one in its own transaction (which judges it
-/// again, so a lease renewed in between is left alone).
-pub async fn pass(store: &Store, leases: &Leases) -> Result<usize, StoreError> {
+/// What the reconciler works on.
+pub struct Parts {
+    pub store: Store,
+    pub leases: Leases,
+    pub processes: Arc<Processes>,
+    pub hub: Arc<Hub>,
+}
+
+/// One pass over leases: judge every lease that could need ending, outside
+/// any transaction, then end each one in its own transaction (which judges
+/// it again, so a lease renewed in between is left alone).
+pub async fn leases_pass(store: &Store, leases: &Leases) -> Result<usize, StoreError> {
     let now = now_ms();
     let mut ended = 0;
     for rec in store.backend().leases_to_reconcile(now).await? {
@@ -28,25 +40,26 @@ pub async fn pass(store: &Store, leases: &Leases) -> Result<usize, StoreError> {
     Ok(ended)
 }
 
-/// Run `pass` now and then every `interval` until `shutdown` fires.
-/// `shutdown` turns true when the server stops.
-pub async fn run(
-    store: Store,
-    leases: Leases,
-    interval: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
+/// Run a pass now, then every `interval` and whenever a lease ends (its
+/// processes are to be claimed at once), until `shutdown` turns true.
+pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            () = parts.hub.reconcile_soon.notified() => {}
             _ = shutdown.wait_for(|stop| *stop) => return,
         }
-        match pass(&store, &leases).await {
+        match leases_pass(&parts.store, &parts.leases).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(ended = n, "reconciler ended leases"),
-            Err(e) => tracing::warn!(error = %e, "reconciler pass failed"),
+            Err(e) => tracing::warn!(error = %e, "reconciler pass over leases failed"),
+        }
+        match parts.processes.reconcile().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(claimed = n, "reconciler claimed orphaned processes"),
+            Err(e) => tracing::warn!(error = %e, "reconciler pass over processes failed"),
         }
     }
 }

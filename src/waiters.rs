@@ -121,6 +121,8 @@ impl Drop for Ticket {
 pub struct Hub {
     pub waiters: Arc<Waiters>,
     events: watch::Sender<i64>,
+    /// Wakes the reconciler: a lease ended, so processes it owned are to be claimed.
+    pub reconcile_soon: Notify,
 }
 
 impl Hub {
@@ -128,6 +130,7 @@ impl Hub {
         Self {
             waiters: Arc::default(),
             events: watch::Sender::new(last_seq),
+            reconcile_soon: Notify::new(),
         }
     }
 
@@ -152,7 +155,10 @@ impl CommitListener for Hub {
     fn committed(&self, effects: &[Effect]) {
         for e in effects {
             match e {
-                Effect::LeaseEnded(resource) => self.waiters.lease_ended(resource),
+                Effect::LeaseEnded(resource) => {
+                    self.waiters.lease_ended(resource);
+                    self.reconcile_soon.notify_one();
+                }
                 Effect::Event(seq) => self.event_committed(*seq),
             }
         }

@@ -8,6 +8,8 @@ use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
 
 use crate::leases::{self, LeaseError};
+use crate::ports::ops::PortError;
+use crate::processes::{self, ops::ProcError};
 use crate::model::LeaseView;
 use crate::store::StoreError;
 
@@ -40,6 +42,10 @@ pub struct Problem {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<LeaseView>)]
     pub parent: Option<Value>,
+    /// The process that holds the operation id (`operation_in_progress`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<crate::model::ProcessView>)]
+    pub process: Option<Value>,
 }
 
 #[derive(Debug)]
@@ -55,6 +61,8 @@ pub enum ApiError {
     IdentityMismatch(String),
     OwnerUnverifiable(String),
     Lease(LeaseError),
+    Proc(ProcError),
+    Port(PortError),
     Busy,
     Unavailable(String),
     Internal(String),
@@ -88,6 +96,105 @@ impl From<StoreError> for ApiError {
             StoreError::Busy => Self::Busy,
             StoreError::Unavailable(m) => Self::Unavailable(m),
             StoreError::Other(m) => Self::Internal(m),
+        }
+    }
+}
+
+impl From<processes::Error> for ApiError {
+    fn from(e: processes::Error) -> Self {
+        match e {
+            processes::Error::Store(s) => s.into(),
+            processes::Error::Proc(p) => Self::Proc(p),
+            processes::Error::Invalid { field, detail } => Self::validation(field, detail),
+            processes::Error::ProcessNotFound(pid) => Self::ProcessNotFound { field: "pid".into(), pid: i64::from(pid) },
+            processes::Error::Unverifiable(d) => Self::OwnerUnverifiable(d),
+        }
+    }
+}
+
+/// The contract's code for a process refusal.
+pub fn proc_code(e: &ProcError) -> &'static str {
+    match e {
+        ProcError::NotFound => "not_found",
+        ProcError::Fenced(_) => "fenced",
+        ProcError::OperationInProgress(_) => "operation_in_progress",
+        ProcError::LeaseFenced(_) => "parent_fenced",
+        ProcError::ProcessAlive(_) => "process_alive",
+        ProcError::RemoteProcess(_) => "remote_process",
+        ProcError::Forbidden(_) => "forbidden",
+        ProcError::PortsExhausted => "ports_exhausted",
+        ProcError::IdentityMismatch(_) => "identity_mismatch",
+        ProcError::NotSettled(_) => "process_tree_not_settled",
+    }
+}
+
+fn json_of<T: Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+fn proc_problem(e: ProcError) -> Response {
+    let code = proc_code(&e);
+    let mut ext = Map::new();
+    let (status, title, detail) = match e {
+        ProcError::NotFound => return ApiError::NotFound("no process with that id".into()).into_response(),
+        ProcError::Forbidden(why) => return ApiError::Forbidden(why).into_response(),
+        ProcError::PortsExhausted => (StatusCode::CONFLICT, "Ports exhausted", "no free port could be reserved in the range".to_owned()),
+        ProcError::LeaseFenced(l) => {
+            ext.insert("parent".into(), l.as_deref().map_or(Value::Null, json_of));
+            (StatusCode::CONFLICT, "Owning lease is not current", "the lease has ended or its token is not the current one".to_owned())
+        }
+        ProcError::OperationInProgress(p) => {
+            ext.insert("process".into(), json_of(&p));
+            let op = p.operation_id.clone().unwrap_or_default();
+            (StatusCode::CONFLICT, "Operation in progress", format!("process {} already runs operation {op:?}", p.id))
+        }
+        ProcError::Fenced(p) => {
+            ext.insert("current".into(), json_of(&p));
+            (StatusCode::CONFLICT, "Fenced", "the token is not the current one for this process, or the process has ended".to_owned())
+        }
+        ProcError::ProcessAlive(p) => {
+            ext.insert("current".into(), json_of(&p));
+            (StatusCode::CONFLICT, "Process is alive", "the recorded process is still live: stop it instead".to_owned())
+        }
+        ProcError::RemoteProcess(p) => {
+            ext.insert("current".into(), json_of(&p));
+            (StatusCode::CONFLICT, "Remote process", "the process lives on another host; this server will not signal it".to_owned())
+        }
+        ProcError::IdentityMismatch(p) => {
+            ext.insert("current".into(), json_of(&p));
+            (StatusCode::CONFLICT, "Identity mismatch", "the pid now belongs to another process; nothing was signalled".to_owned())
+        }
+        ProcError::NotSettled(p) => {
+            ext.insert("current".into(), json_of(&p));
+            (StatusCode::CONFLICT, "Process tree not settled", "the process tree is still alive; the record and its ports are kept".to_owned())
+        }
+    };
+    problem(status, code, title, &detail, ext)
+}
+
+fn port_problem(e: PortError) -> Response {
+    match e {
+        PortError::NotFound => ApiError::NotFound("no current reservation of that port, or no such owner".into()).into_response(),
+        PortError::Exhausted => problem(
+            StatusCode::CONFLICT,
+            "ports_exhausted",
+            "Ports exhausted",
+            "no free port could be reserved in the range",
+            Map::new(),
+        ),
+        PortError::Fenced(current) => {
+            let mut ext = Map::new();
+            ext.insert("current".into(), *current);
+            problem(StatusCode::CONFLICT, "fenced", "Fenced", "the token is not the owner's current one", ext)
+        }
+    }
+}
+
+impl From<crate::ports::Error> for ApiError {
+    fn from(e: crate::ports::Error) -> Self {
+        match e {
+            crate::ports::Error::Store(s) => s.into(),
+            crate::ports::Error::Port(p) => Self::Port(p),
         }
     }
 }
@@ -206,6 +313,8 @@ impl IntoResponse for ApiError {
                 ext.insert(key.into(), lease.as_deref().map_or(Value::Null, lease_json));
                 (StatusCode::CONFLICT, code, title, detail)
             }
+            Self::Proc(e) => return proc_problem(e),
+            Self::Port(e) => return port_problem(e),
             Self::Busy => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "busy",

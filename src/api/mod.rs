@@ -6,6 +6,8 @@ mod events;
 pub mod extract;
 mod leases;
 mod owner;
+mod ports;
+mod processes;
 mod service;
 mod validate;
 
@@ -31,6 +33,8 @@ pub const BODY_LIMIT: usize = 64 * 1024;
 #[derive(Clone)]
 pub struct AppState {
     pub leases: Leases,
+    pub processes: Arc<crate::processes::Processes>,
+    pub ports: crate::ports::Ports,
     pub store: Store,
     pub hub: Arc<crate::waiters::Hub>,
     pub metrics: Arc<Metrics>,
@@ -46,6 +50,8 @@ pub struct AppState {
     ),
     tags(
         (name = "leases", description = "Exclusive, fenced ownership of named resources"),
+        (name = "processes", description = "Processes spawned or registered, watched and stopped safely"),
+        (name = "ports", description = "Port reservations that do not collide"),
         (name = "events", description = "The ordered log of state changes"),
         (name = "service", description = "Health, readiness, metrics and this document"),
     )
@@ -55,6 +61,8 @@ struct ApiDoc;
 fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(leases::router())
+        .merge(processes::router())
+        .merge(ports::router())
         .merge(events::router())
         .merge(service::router())
 }

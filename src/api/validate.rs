@@ -100,3 +100,39 @@ mod tests {
         assert!(in_range("ttl_ms", 86_400_001, TTL_MS).is_err());
     }
 }
+
+pub const ARGV_MAX: usize = 256;
+pub const ENV_MAX: usize = 256;
+pub const ARG_BYTES: usize = 4096;
+
+/// `command.argv`, `command.env` and `command.cwd` of a spawn.
+pub fn command(cmd: &crate::model::Command) -> Result<(), ApiError> {
+    if cmd.argv.is_empty() || cmd.argv.len() > ARGV_MAX {
+        return Err(ApiError::validation("command.argv", format!("argv must have 1 to {ARGV_MAX} entries")));
+    }
+    for (i, arg) in cmd.argv.iter().enumerate() {
+        let field = format!("command.argv.{i}");
+        if i == 0 {
+            text(&field, arg, ARG_BYTES)?;
+        } else if !arg.is_empty() {
+            text(&field, arg, ARG_BYTES)?;
+        }
+    }
+    if cmd.env.len() > ENV_MAX {
+        return Err(ApiError::validation("command.env", format!("env must have at most {ENV_MAX} entries")));
+    }
+    for (key, value) in &cmd.env {
+        let field = format!("command.env.{key}");
+        text(&field, key, ARG_BYTES)?;
+        if key.contains('=') {
+            return Err(ApiError::validation(field, "an environment variable name must not contain '='"));
+        }
+        if !value.is_empty() {
+            text(&field, value, ARG_BYTES)?;
+        }
+    }
+    if let Some(cwd) = &cmd.cwd {
+        text("command.cwd", cwd, ARG_BYTES)?;
+    }
+    Ok(())
+}

@@ -1,5 +1,5 @@
 //! Starting child processes and reaping them. holdfast reaps every child
-//! itself (`waitpid(-1)` on SIGCHLD): as a child subreaper it also inherits
+//! itself (`wait(-1)` on SIGCHLD): as a child subreaper it also inherits
 //! the orphaned descendants of its children, which must not stay zombies.
 
 use std::collections::{BTreeMap, HashMap};
@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use rustix::process::{WaitOptions, waitpid};
+use rustix::process::{WaitOptions, wait};
 use tokio::sync::oneshot;
 
 use crate::model::Exit;
@@ -82,7 +82,7 @@ impl Reaper {
         // identity before its zombie can be reaped.
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         loop {
-            match waitpid(None, WaitOptions::NOHANG) {
+            match wait(WaitOptions::NOHANG) {
                 Ok(Some((pid, status))) => {
                     let pid = pid.as_raw_nonzero().get();
                     let exit = Exit { code: status.exit_status(), signal: status.terminating_signal() };

@@ -38,3 +38,58 @@ mod tests {
         assert_eq!(env_var("debug_2"), "PORT_DEBUG_2");
     }
 }
+
+/// Runs port mutations for this host.
+#[derive(Clone)]
+pub struct Ports {
+    store: crate::store::Store,
+    host: std::sync::Arc<dyn crate::host::Host>,
+}
+
+macro_rules! run {
+    ($self:ident, |$tx:ident, $cx:ident| $body:expr) => {{
+        let host = $self.host.clone();
+        $self
+            .store
+            .write(true, move |$tx| {
+                Box::pin(async move {
+                    let $cx = crate::leases::ops::Ctx { host: host.as_ref(), now: crate::time::now_ms() };
+                    $body.await
+                })
+            })
+            .await
+    }};
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error("port request refused: {0:?}")]
+    Port(ops::PortError),
+}
+
+impl Ports {
+    pub fn new(store: crate::store::Store, host: std::sync::Arc<dyn crate::host::Host>) -> Self {
+        Self { store, host }
+    }
+
+    pub fn host_id(&self) -> String {
+        self.host.local().host_id.clone()
+    }
+
+    pub async fn reserve(
+        &self,
+        owner: crate::model::PortOwner,
+        names: Vec<String>,
+        range: RangeInclusive<u16>,
+    ) -> Result<Vec<crate::model::PortRecord>, Error> {
+        let host_id = self.host_id();
+        run!(self, |tx, cx| ops::reserve(tx, cx, &host_id, owner, names, range))?.map_err(Error::Port)
+    }
+
+    pub async fn release(&self, port: u16, token: i64) -> Result<crate::model::PortRecord, Error> {
+        let host_id = self.host_id();
+        run!(self, |tx, cx| ops::release(tx, cx, &host_id, port, token))?.map_err(Error::Port)
+    }
+}

@@ -120,9 +120,9 @@ pub async fn create(tx: &mut dyn Tx, cx: Ctx<'_>, host_id: &str, c: Create) -> R
         metadata: c.metadata,
     };
     tx.insert_process(&rec).await?;
+    event(tx, cx, "process.registered", &rec, Value::Null).await?;
     let owner = PortOwner { process: Some(TokenRef { id: rec.id.clone(), token: rec.token }), lease: None };
     let reserved = ports::insert(tx, cx, host_id, &owner, picked).await?;
-    event(tx, cx, "process.registered", &rec, Value::Null).await?;
     let ports = reserved.into_iter().map(|p| (p.name, p.port)).collect();
     Ok(Ok((rec, ports)))
 }

@@ -45,7 +45,10 @@ impl Server {
 
     /// A server on `dir`, which outlives it (for restarts).
     pub async fn start_in(dir: &Path, args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_holdfast"))
+        // In a session of its own, as a daemon would be: the processes the
+        // tests start are then not in the server's session, which it refuses to signal.
+        let mut child = Command::new("setsid")
+            .arg(env!("CARGO_BIN_EXE_holdfast"))
             .arg("serve")
             .args(["--listen", "127.0.0.1:0", "--data-dir"])
             .arg(dir)

@@ -1,0 +1,154 @@
+//! `/v1/ports`: reservations of ports that bind on 127.0.0.1.
+
+use std::collections::BTreeMap;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+use super::extract::{Body, Params};
+use super::validate;
+use crate::model::{PortOwner, PortRecord, TokenRef};
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(reserve, list)).routes(routes!(release))
+}
+
+/// Exactly one of `process` or `lease`, with its current token.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OwnerRef {
+    pub process: Option<TokenRef>,
+    pub lease: Option<TokenRef>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReserveRequest {
+    /// Names matching `[a-z][a-z0-9_]{0,31}`.
+    pub names: Vec<String>,
+    pub owner: OwnerRef,
+    /// Inclusive `[low, high]` within 1024..=65535; default `[20000, 29999]`.
+    pub range: Option<[u16; 2]>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Reserved {
+    /// Port by name.
+    #[schema(value_type = Object)]
+    pub ports: BTreeMap<String, u16>,
+    pub reservations: Vec<PortRecord>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    /// The owner's current token.
+    #[schema(minimum = 1)]
+    pub token: i64,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    #[param(minimum = 1, maximum = 1000)]
+    pub limit: Option<i64>,
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PortList {
+    pub items: Vec<PortRecord>,
+    pub next_cursor: Option<String>,
+}
+
+/// Reserve free ports for a lease or a process.
+#[utoipa::path(
+    post, path = "/v1/ports", tag = "ports",
+    request_body = ReserveRequest,
+    responses(
+        (status = 201, body = Reserved),
+        (status = 404, description = "No such owner", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced` or `ports_exhausted`", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn reserve(State(state): State<AppState>, Body(req): Body<ReserveRequest>) -> Result<impl IntoResponse, ApiError> {
+    if req.names.is_empty() || req.names.len() > 64 {
+        return Err(ApiError::validation("names", "names must have 1 to 64 entries"));
+    }
+    for (i, name) in req.names.iter().enumerate() {
+        if !crate::ports::valid_name(name) {
+            return Err(ApiError::validation(format!("names.{i}"), "a port name must match [a-z][a-z0-9_]{0,31}"));
+        }
+        if req.names[..i].contains(name) {
+            return Err(ApiError::validation(format!("names.{i}"), format!("{name:?} is given twice")));
+        }
+    }
+    let owner = match (req.owner.process, req.owner.lease) {
+        (Some(p), None) => PortOwner { process: Some(p), lease: None },
+        (None, Some(l)) => PortOwner { process: None, lease: Some(l) },
+        _ => return Err(ApiError::validation("owner", "owner must name exactly one of process or lease")),
+    };
+    if let Some(t) = owner.target() {
+        validate::token("owner.token", t.token)?;
+        if uuid::Uuid::parse_str(&t.id).is_err() {
+            return Err(ApiError::validation("owner.id", "owner id must be a UUID"));
+        }
+    }
+    let range = match req.range {
+        Some([lo, hi]) if lo <= hi && crate::ports::ALLOWED.contains(&lo) => lo..=hi,
+        Some(_) => return Err(ApiError::validation("range", "range must be [low, high] within 1024..=65535")),
+        None => crate::ports::DEFAULT_RANGE,
+    };
+    let reservations = state.ports.reserve(owner, req.names, range).await?;
+    let ports = reservations.iter().map(|r| (r.name.clone(), r.port)).collect();
+    Ok((StatusCode::CREATED, Json(Reserved { ports, reservations })))
+}
+
+/// Current reservations, lowest port first.
+#[utoipa::path(
+    get, path = "/v1/ports", tag = "ports",
+    params(ListQuery),
+    responses((status = 200, body = PortList))
+)]
+async fn list(State(state): State<AppState>, Params(q): Params<ListQuery>) -> Result<Json<PortList>, ApiError> {
+    let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
+    validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
+    let after = match q.cursor {
+        Some(c) => c.parse::<u16>().map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave"))?,
+        None => 0,
+    };
+    let fetch = u32::try_from(limit + 1).unwrap_or(u32::MAX);
+    let mut items = state.store.backend().list_ports(Some(&state.ports.host_id()), after, fetch).await?;
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    let more = items.len() > limit;
+    items.truncate(limit);
+    let next_cursor = if more { items.last().map(|p| p.port.to_string()) } else { None };
+    Ok(Json(PortList { items, next_cursor }))
+}
+
+/// Release a reservation with its owner's token.
+#[utoipa::path(
+    post, path = "/v1/ports/{port}/release", tag = "ports",
+    params(("port" = u16, Path, description = "The reserved port")),
+    request_body = ReleaseRequest,
+    responses(
+        (status = 200, body = PortRecord),
+        (status = 404, description = "No current reservation of that port", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn release(State(state): State<AppState>, Path(port): Path<String>, Body(req): Body<ReleaseRequest>) -> Result<Json<PortRecord>, ApiError> {
+    let port: u16 = port.parse().map_err(|_| ApiError::NotFound(format!("no reservation of port {port:?}")))?;
+    validate::token("token", req.token)?;
+    Ok(Json(state.ports.release(port, req.token).await?))
+}

@@ -1,0 +1,404 @@
+//! `/v1/processes`: parse, validate, call `Processes`, map the result.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::AppState;
+use super::error::{ApiError, Problem};
+use super::extract::{Body, Params};
+use super::owner::{OwnerSpec, resolve_owner};
+use super::validate::{self, NAME_MAX, TTL_MS};
+use crate::model::{Command, ProcessFilter, ProcessState, ProcessView, StateFilter, TokenRef};
+use crate::processes::stop::StopParams;
+use crate::processes::{CreateRequest, DEFAULT_GRACE};
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(create, list))
+        .routes(routes!(get_process))
+        .routes(routes!(confirm))
+        .routes(routes!(heartbeat))
+        .routes(routes!(stop))
+        .routes(routes!(finish))
+        .routes(routes!(logs))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateProcessRequest {
+    #[schema(example = "dev-server")]
+    pub kind: String,
+    /// At most one current process per operation id.
+    pub operation_id: Option<String>,
+    /// The owning lease; it must be current.
+    pub lease: Option<TokenRef>,
+    /// The process whose heartbeats keep this one.
+    pub owner: Option<OwnerSpec>,
+    /// Heartbeat TTL, 1000..=86400000.
+    #[schema(minimum = 1000, maximum = 86_400_000)]
+    pub ttl_ms: Option<i64>,
+    /// Spawn this command; without it the record is registered as `starting`.
+    pub command: Option<Command>,
+    /// Port names to reserve; a spawned child gets `PORT_<NAME>` (and `PORT` for the first).
+    pub ports: Option<Vec<String>>,
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<Map<String, Value>>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConfirmRequest {
+    #[schema(minimum = 1)]
+    pub token: i64,
+    #[schema(minimum = 1)]
+    pub pid: i64,
+    /// The process leads its own process group, which stop then signals.
+    #[serde(default)]
+    pub process_group: bool,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct HeartbeatRequest {
+    #[schema(minimum = 1)]
+    pub token: i64,
+    #[schema(minimum = 1000, maximum = 86_400_000)]
+    pub ttl_ms: Option<i64>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StopRequest {
+    #[schema(minimum = 1)]
+    pub token: i64,
+    /// How long to wait after SIGTERM (default 5000, at most 600000).
+    #[schema(minimum = 0, maximum = 600_000)]
+    pub grace_ms: Option<i64>,
+    /// SIGKILL after the grace period (default true).
+    pub force: Option<bool>,
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishState {
+    Stopped,
+    Failed,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FinishRequest {
+    #[schema(minimum = 1)]
+    pub token: i64,
+    pub state: FinishState,
+    pub reason: Option<String>,
+    pub exit_code: Option<i32>,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// `current` (default), `ended` or `all`.
+    pub state: Option<StateFilter>,
+    pub kind: Option<String>,
+    pub operation_id: Option<String>,
+    /// Id of the owning lease.
+    pub lease: Option<String>,
+    #[param(minimum = 1, maximum = 1000)]
+    pub limit: Option<i64>,
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProcessList {
+    pub items: Vec<ProcessView>,
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    #[default]
+    Stdout,
+    Stderr,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct LogsQuery {
+    pub stream: Option<Stream>,
+    #[param(minimum = 0)]
+    pub offset: Option<i64>,
+    /// At most 1 MiB (default 65536).
+    #[param(minimum = 1, maximum = 1_048_576)]
+    pub limit: Option<i64>,
+}
+
+const LOG_LIMIT_MAX: i64 = 1 << 20;
+
+fn positive_token(t: i64) -> Result<i64, ApiError> {
+    validate::token("token", t).map(|()| t)
+}
+
+fn process_id(id: &str) -> Result<String, ApiError> {
+    validate::id("process", id)
+}
+
+/// Spawn or register a process.
+#[utoipa::path(
+    post, path = "/v1/processes", tag = "processes",
+    request_body = CreateProcessRequest,
+    responses(
+        (status = 201, description = "Spawned (`running`) or registered (`starting`)", body = ProcessView,
+         headers(("Location" = String, description = "URL of the process"))),
+        (status = 409, description = "`operation_in_progress`, `parent_fenced`, `ports_exhausted`", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`validation` (e.g. a program that cannot be executed)", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`busy` or `unavailable`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn create(State(state): State<AppState>, Body(req): Body<CreateProcessRequest>) -> Result<impl IntoResponse, ApiError> {
+    validate::text("kind", &req.kind, NAME_MAX)?;
+    if let Some(op) = &req.operation_id {
+        validate::text("operation_id", op, NAME_MAX)?;
+    }
+    if let Some(ttl) = req.ttl_ms {
+        validate::in_range("ttl_ms", ttl, TTL_MS)?;
+    }
+    if let Some(l) = &req.lease {
+        validate::token("lease.token", l.token)?;
+        validate::id("lease", &l.id).map_err(|_| ApiError::validation("lease.id", "lease.id must be a lease id (UUID)"))?;
+    }
+    if let Some(cmd) = &req.command {
+        validate::command(cmd)?;
+    }
+    let ports = req.ports.unwrap_or_default();
+    for (i, name) in ports.iter().enumerate() {
+        if !crate::ports::valid_name(name) {
+            return Err(ApiError::validation(format!("ports.{i}"), "a port name must match [a-z][a-z0-9_]{0,31}"));
+        }
+        if ports[..i].contains(name) {
+            return Err(ApiError::validation(format!("ports.{i}"), format!("port name {name:?} is given twice")));
+        }
+    }
+    let metadata = validate::metadata(req.metadata)?;
+    let owner = req.owner.map(|o| resolve_owner(state.processes.host(), o, "owner")).transpose()?;
+    let create = CreateRequest {
+        kind: req.kind,
+        operation_id: req.operation_id,
+        lease: req.lease,
+        owner,
+        ttl_ms: req.ttl_ms,
+        metadata,
+        command: req.command,
+        ports,
+    };
+    let view = state.processes.create(create, crate::ports::DEFAULT_RANGE).await?;
+    let location = format!("/v1/processes/{}", view.id);
+    Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(view)))
+}
+
+/// Get one process, its identity judged now.
+#[utoipa::path(
+    get, path = "/v1/processes/{id}", tag = "processes",
+    params(("id" = String, Path, description = "Process id")),
+    responses(
+        (status = 200, body = ProcessView),
+        (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn get_process(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<ProcessView>, ApiError> {
+    let id = process_id(&id)?;
+    let view = state.processes.get(&id).await?;
+    view.map(Json).ok_or_else(|| ApiError::NotFound(format!("no process with id {id}")))
+}
+
+/// List processes, newest first.
+#[utoipa::path(
+    get, path = "/v1/processes", tag = "processes",
+    params(ListQuery),
+    responses(
+        (status = 200, body = ProcessList),
+        (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn list(State(state): State<AppState>, Params(q): Params<ListQuery>) -> Result<Json<ProcessList>, ApiError> {
+    let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
+    validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
+    let before_id = q
+        .cursor
+        .map(|c| validate::id("cursor", &c).map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave")))
+        .transpose()?;
+    let filter = ProcessFilter {
+        state: q.state.unwrap_or_default(),
+        kind: q.kind,
+        operation_id: q.operation_id,
+        lease: q.lease,
+        limit: u32::try_from(limit + 1).unwrap_or(u32::MAX),
+        before_id,
+    };
+    let mut recs = state.store.backend().list_processes(&filter).await?;
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    let more = recs.len() > limit;
+    recs.truncate(limit);
+    let next_cursor = if more { recs.last().map(|r| r.id.clone()) } else { None };
+    let mut items = Vec::with_capacity(recs.len());
+    for rec in recs {
+        items.push(state.processes.with_ports(rec).await?);
+    }
+    Ok(Json(ProcessList { items, next_cursor }))
+}
+
+/// Confirm a registered process: `starting` becomes `running` with the identity read now.
+#[utoipa::path(
+    post, path = "/v1/processes/{id}/confirm", tag = "processes",
+    params(("id" = String, Path, description = "Process id")),
+    request_body = ConfirmRequest,
+    responses(
+        (status = 200, body = ProcessView),
+        (status = 403, description = "pid 1, the server itself, its group or session", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`process_not_found` or `validation`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn confirm(State(state): State<AppState>, Path(id): Path<String>, Body(req): Body<ConfirmRequest>) -> Result<Json<ProcessView>, ApiError> {
+    let id = process_id(&id)?;
+    let token = positive_token(req.token)?;
+    let pid = i32::try_from(req.pid)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| ApiError::validation("pid", "pid must be a positive process id"))?;
+    Ok(Json(state.processes.confirm(id, token, pid, req.process_group).await?))
+}
+
+/// Keep a process alive: a new `expires_at`.
+#[utoipa::path(
+    post, path = "/v1/processes/{id}/heartbeat", tag = "processes",
+    params(("id" = String, Path, description = "Process id")),
+    request_body = HeartbeatRequest,
+    responses(
+        (status = 200, body = ProcessView),
+        (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn heartbeat(State(state): State<AppState>, Path(id): Path<String>, Body(req): Body<HeartbeatRequest>) -> Result<Json<ProcessView>, ApiError> {
+    let id = process_id(&id)?;
+    let token = positive_token(req.token)?;
+    if let Some(ttl) = req.ttl_ms {
+        validate::in_range("ttl_ms", ttl, TTL_MS)?;
+    }
+    Ok(Json(state.processes.heartbeat(id, token, req.ttl_ms).await?))
+}
+
+/// Stop a process and its group: SIGTERM, grace, SIGKILL when forced.
+#[utoipa::path(
+    post, path = "/v1/processes/{id}/stop", tag = "processes",
+    params(("id" = String, Path, description = "Process id")),
+    request_body = StopRequest,
+    responses(
+        (status = 200, description = "Stopped (or already ended, as it is)", body = ProcessView),
+        (status = 403, description = "Not a process the server may signal", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`, `identity_mismatch`, `remote_process`, `process_tree_not_settled`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn stop(State(state): State<AppState>, Path(id): Path<String>, Body(req): Body<StopRequest>) -> Result<Json<ProcessView>, ApiError> {
+    let id = process_id(&id)?;
+    let token = positive_token(req.token)?;
+    let grace = match req.grace_ms {
+        Some(ms) => {
+            validate::in_range("grace_ms", ms, 0..=600_000)?;
+            Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+        }
+        None => DEFAULT_GRACE,
+    };
+    if let Some(r) = &req.reason {
+        validate::text("reason", r, NAME_MAX)?;
+    }
+    let params = StopParams { grace, force: req.force.unwrap_or(true), reason: req.reason.unwrap_or_else(|| "stopped".into()) };
+    Ok(Json(state.processes.stop(id, token, params).await?))
+}
+
+/// Report how a process the client ran itself ended.
+#[utoipa::path(
+    post, path = "/v1/processes/{id}/finish", tag = "processes",
+    params(("id" = String, Path, description = "Process id")),
+    request_body = FinishRequest,
+    responses(
+        (status = 200, body = ProcessView),
+        (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced` or `process_alive`", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn finish(State(state): State<AppState>, Path(id): Path<String>, Body(req): Body<FinishRequest>) -> Result<Json<ProcessView>, ApiError> {
+    let id = process_id(&id)?;
+    let token = positive_token(req.token)?;
+    if let Some(r) = &req.reason {
+        validate::text("reason", r, NAME_MAX)?;
+    }
+    let target = match req.state {
+        FinishState::Stopped => ProcessState::Stopped,
+        FinishState::Failed => ProcessState::Failed,
+    };
+    Ok(Json(state.processes.finish(id, token, target, req.reason, req.exit_code).await?))
+}
+
+/// Raw output of a spawned process, from `offset`, with `X-Next-Offset`.
+#[utoipa::path(
+    get, path = "/v1/processes/{id}/logs", tag = "processes",
+    params(("id" = String, Path, description = "Process id"), LogsQuery),
+    responses(
+        (status = 200, description = "Raw bytes", body = String, content_type = "text/plain",
+         headers(("X-Next-Offset" = u64, description = "Offset to ask for next"))),
+        (status = 404, description = "No such process, or it was not spawned", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn logs(State(state): State<AppState>, Path(id): Path<String>, Params(q): Params<LogsQuery>) -> Result<impl IntoResponse, ApiError> {
+    let id = process_id(&id)?;
+    let offset = q.offset.unwrap_or(0);
+    validate::in_range("offset", offset, 0..=i64::MAX)?;
+    let limit = q.limit.unwrap_or(65_536);
+    validate::in_range("limit", limit, 1..=LOG_LIMIT_MAX)?;
+    let rec = state.store.backend().get_process(&id).await?;
+    let logs = rec
+        .and_then(|r| r.logs)
+        .ok_or_else(|| ApiError::NotFound(format!("no spawned process with id {id}")))?;
+    let path = match q.stream.unwrap_or_default() {
+        Stream::Stdout => logs.stdout,
+        Stream::Stderr => logs.stderr,
+    };
+    let (offset, limit) = (u64::try_from(offset).unwrap_or(0), u64::try_from(limit).unwrap_or(0));
+    let bytes = tokio::task::spawn_blocking(move || read_range(std::path::Path::new(&path), offset, limit))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .map_err(|e| ApiError::Internal(format!("reading the log: {e}")))?;
+    let next = offset + bytes.len() as u64;
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()), (header::HeaderName::from_static("x-next-offset"), next.to_string())], bytes))
+}
+
+fn read_range(path: &std::path::Path, offset: u64, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    file.seek(SeekFrom::Start(offset))?;
+    let mut out = Vec::new();
+    file.take(limit).read_to_end(&mut out)?;
+    Ok(out)
+}
