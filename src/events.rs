@@ -14,7 +14,13 @@ pub enum Subject<'a> {
     Port(&'a PortRecord),
 }
 
-pub async fn append(tx: &mut dyn Tx, now: Millis, kind: &str, subject: Subject<'_>, detail: Value) -> Result<i64> {
+pub async fn append(
+    tx: &mut dyn Tx,
+    now: Millis,
+    kind: &str,
+    subject: Subject<'_>,
+    detail: Value,
+) -> Result<i64> {
     let (lease, process, port) = match subject {
         Subject::Lease(l) => (json!(l), Value::Null, Value::Null),
         Subject::Process(p) => (Value::Null, json!(p), Value::Null),

@@ -73,11 +73,19 @@ impl App {
         let store = Store::new(Arc::new(backend));
         hub.event_committed(store.backend().last_event_seq().await?);
         let metrics = Arc::new(metrics::Metrics::default());
-        let leases = leases::Leases::new(store.clone(), host.clone(), hub.waiters.clone(), metrics.clone());
+        let leases = leases::Leases::new(
+            store.clone(),
+            host.clone(),
+            hub.waiters.clone(),
+            metrics.clone(),
+        );
         let reaper = host::spawn::Reaper::start()?;
         let data_dir = config.data_dir();
         let processes = processes::Processes::new(store.clone(), host.clone(), reaper, &data_dir)
-            .map_err(|source| StartError::DataDir { path: data_dir.display().to_string(), source })?;
+            .map_err(|source| StartError::DataDir {
+            path: data_dir.display().to_string(),
+            source,
+        })?;
         let ports = ports::Ports::new(store.clone(), host);
         let state = api::AppState {
             leases,

@@ -10,8 +10,8 @@ use tokio::sync::watch;
 
 use crate::leases::Leases;
 use crate::leases::rules::{Verdict, verdict};
-use crate::store::{Store, StoreError};
 use crate::processes::Processes;
+use crate::store::{Store, StoreError};
 use crate::time::now_ms;
 use crate::waiters::Hub;
 

@@ -8,9 +8,9 @@ use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
 
 use crate::leases::{self, LeaseError};
+use crate::model::LeaseView;
 use crate::ports::ops::PortError;
 use crate::processes::{self, ops::ProcError};
-use crate::model::LeaseView;
 use crate::store::StoreError;
 
 /// RFC 9457 problem details. Extensions depend on `code`: `field` for
@@ -106,7 +106,10 @@ impl From<processes::Error> for ApiError {
             processes::Error::Store(s) => s.into(),
             processes::Error::Proc(p) => Self::Proc(p),
             processes::Error::Invalid { field, detail } => Self::validation(field, detail),
-            processes::Error::ProcessNotFound(pid) => Self::ProcessNotFound { field: "pid".into(), pid: i64::from(pid) },
+            processes::Error::ProcessNotFound(pid) => Self::ProcessNotFound {
+                field: "pid".into(),
+                pid: i64::from(pid),
+            },
             processes::Error::Unverifiable(d) => Self::OwnerUnverifiable(d),
         }
     }
@@ -136,37 +139,72 @@ fn proc_problem(e: ProcError) -> Response {
     let code = proc_code(&e);
     let mut ext = Map::new();
     let (status, title, detail) = match e {
-        ProcError::NotFound => return ApiError::NotFound("no process with that id".into()).into_response(),
+        ProcError::NotFound => {
+            return ApiError::NotFound("no process with that id".into()).into_response();
+        }
         ProcError::Forbidden(why) => return ApiError::Forbidden(why).into_response(),
-        ProcError::PortsExhausted => (StatusCode::CONFLICT, "Ports exhausted", "no free port could be reserved in the range".to_owned()),
+        ProcError::PortsExhausted => (
+            StatusCode::CONFLICT,
+            "Ports exhausted",
+            "no free port could be reserved in the range".to_owned(),
+        ),
         ProcError::LeaseFenced(l) => {
             ext.insert("parent".into(), l.as_deref().map_or(Value::Null, json_of));
-            (StatusCode::CONFLICT, "Owning lease is not current", "the lease has ended or its token is not the current one".to_owned())
+            (
+                StatusCode::CONFLICT,
+                "Owning lease is not current",
+                "the lease has ended or its token is not the current one".to_owned(),
+            )
         }
         ProcError::OperationInProgress(p) => {
             ext.insert("process".into(), json_of(&p));
             let op = p.operation_id.clone().unwrap_or_default();
-            (StatusCode::CONFLICT, "Operation in progress", format!("process {} already runs operation {op:?}", p.id))
+            (
+                StatusCode::CONFLICT,
+                "Operation in progress",
+                format!("process {} already runs operation {op:?}", p.id),
+            )
         }
         ProcError::Fenced(p) => {
             ext.insert("current".into(), json_of(&p));
-            (StatusCode::CONFLICT, "Fenced", "the token is not the current one for this process, or the process has ended".to_owned())
+            (
+                StatusCode::CONFLICT,
+                "Fenced",
+                "the token is not the current one for this process, or the process has ended"
+                    .to_owned(),
+            )
         }
         ProcError::ProcessAlive(p) => {
             ext.insert("current".into(), json_of(&p));
-            (StatusCode::CONFLICT, "Process is alive", "the recorded process is still live: stop it instead".to_owned())
+            (
+                StatusCode::CONFLICT,
+                "Process is alive",
+                "the recorded process is still live: stop it instead".to_owned(),
+            )
         }
         ProcError::RemoteProcess(p) => {
             ext.insert("current".into(), json_of(&p));
-            (StatusCode::CONFLICT, "Remote process", "the process lives on another host; this server will not signal it".to_owned())
+            (
+                StatusCode::CONFLICT,
+                "Remote process",
+                "the process lives on another host; this server will not signal it".to_owned(),
+            )
         }
         ProcError::IdentityMismatch(p) => {
             ext.insert("current".into(), json_of(&p));
-            (StatusCode::CONFLICT, "Identity mismatch", "the pid now belongs to another process; nothing was signalled".to_owned())
+            (
+                StatusCode::CONFLICT,
+                "Identity mismatch",
+                "the pid now belongs to another process; nothing was signalled".to_owned(),
+            )
         }
         ProcError::NotSettled(p) => {
             ext.insert("current".into(), json_of(&p));
-            (StatusCode::CONFLICT, "Process tree not settled", "the process tree is still alive; the record and its ports are kept".to_owned())
+            (
+                StatusCode::CONFLICT,
+                "Process tree not settled",
+                "the process tree is still alive; the record and its ports are kept".to_owned(),
+            )
         }
     };
     problem(status, code, title, &detail, ext)
@@ -174,7 +212,10 @@ fn proc_problem(e: ProcError) -> Response {
 
 fn port_problem(e: PortError) -> Response {
     match e {
-        PortError::NotFound => ApiError::NotFound("no current reservation of that port, or no such owner".into()).into_response(),
+        PortError::NotFound => {
+            ApiError::NotFound("no current reservation of that port, or no such owner".into())
+                .into_response()
+        }
         PortError::Exhausted => problem(
             StatusCode::CONFLICT,
             "ports_exhausted",
@@ -185,7 +226,13 @@ fn port_problem(e: PortError) -> Response {
         PortError::Fenced(current) => {
             let mut ext = Map::new();
             ext.insert("current".into(), *current);
-            problem(StatusCode::CONFLICT, "fenced", "Fenced", "the token is not the owner's current one", ext)
+            problem(
+                StatusCode::CONFLICT,
+                "fenced",
+                "Fenced",
+                "the token is not the owner's current one",
+                ext,
+            )
         }
     }
 }

@@ -18,7 +18,9 @@ use super::validate;
 use crate::model::{PortOwner, PortRecord, TokenRef};
 
 pub fn router() -> OpenApiRouter<AppState> {
-    OpenApiRouter::new().routes(routes!(reserve, list)).routes(routes!(release))
+    OpenApiRouter::new()
+        .routes(routes!(reserve, list))
+        .routes(routes!(release))
 }
 
 /// Exactly one of `process` or `lease`, with its current token.
@@ -81,22 +83,45 @@ pub struct PortList {
         (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn reserve(State(state): State<AppState>, Body(req): Body<ReserveRequest>) -> Result<impl IntoResponse, ApiError> {
+async fn reserve(
+    State(state): State<AppState>,
+    Body(req): Body<ReserveRequest>,
+) -> Result<impl IntoResponse, ApiError> {
     if req.names.is_empty() || req.names.len() > 64 {
-        return Err(ApiError::validation("names", "names must have 1 to 64 entries"));
+        return Err(ApiError::validation(
+            "names",
+            "names must have 1 to 64 entries",
+        ));
     }
     for (i, name) in req.names.iter().enumerate() {
         if !crate::ports::valid_name(name) {
-            return Err(ApiError::validation(format!("names.{i}"), "a port name must match [a-z][a-z0-9_]{0,31}"));
+            return Err(ApiError::validation(
+                format!("names.{i}"),
+                "a port name must match [a-z][a-z0-9_]{0,31}",
+            ));
         }
         if req.names[..i].contains(name) {
-            return Err(ApiError::validation(format!("names.{i}"), format!("{name:?} is given twice")));
+            return Err(ApiError::validation(
+                format!("names.{i}"),
+                format!("{name:?} is given twice"),
+            ));
         }
     }
     let owner = match (req.owner.process, req.owner.lease) {
-        (Some(p), None) => PortOwner { process: Some(p), lease: None },
-        (None, Some(l)) => PortOwner { process: None, lease: Some(l) },
-        _ => return Err(ApiError::validation("owner", "owner must name exactly one of process or lease")),
+        (Some(p), None) => PortOwner {
+            process: Some(p),
+            lease: None,
+        },
+        (None, Some(l)) => PortOwner {
+            process: None,
+            lease: Some(l),
+        },
+        _ => {
+            return Err(ApiError::validation(
+                "owner",
+                "owner must name exactly one of process or lease",
+            ));
+        }
     };
     if let Some(t) = owner.target() {
         validate::token("owner.token", t.token)?;
@@ -106,12 +131,26 @@ async fn reserve(State(state): State<AppState>, Body(req): Body<ReserveRequest>)
     }
     let range = match req.range {
         Some([lo, hi]) if lo <= hi && crate::ports::ALLOWED.contains(&lo) => lo..=hi,
-        Some(_) => return Err(ApiError::validation("range", "range must be [low, high] within 1024..=65535")),
+        Some(_) => {
+            return Err(ApiError::validation(
+                "range",
+                "range must be [low, high] within 1024..=65535",
+            ));
+        }
         None => crate::ports::DEFAULT_RANGE,
     };
     let reservations = state.ports.reserve(owner, req.names, range).await?;
-    let ports = reservations.iter().map(|r| (r.name.clone(), r.port)).collect();
-    Ok((StatusCode::CREATED, Json(Reserved { ports, reservations })))
+    let ports = reservations
+        .iter()
+        .map(|r| (r.name.clone(), r.port))
+        .collect();
+    Ok((
+        StatusCode::CREATED,
+        Json(Reserved {
+            ports,
+            reservations,
+        }),
+    ))
 }
 
 /// Current reservations, lowest port first.
@@ -120,19 +159,32 @@ async fn reserve(State(state): State<AppState>, Body(req): Body<ReserveRequest>)
     params(ListQuery),
     responses((status = 200, body = PortList))
 )]
-async fn list(State(state): State<AppState>, Params(q): Params<ListQuery>) -> Result<Json<PortList>, ApiError> {
+async fn list(
+    State(state): State<AppState>,
+    Params(q): Params<ListQuery>,
+) -> Result<Json<PortList>, ApiError> {
     let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
     validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
     let after = match q.cursor {
-        Some(c) => c.parse::<u16>().map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave"))?,
+        Some(c) => c
+            .parse::<u16>()
+            .map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave"))?,
         None => 0,
     };
     let fetch = u32::try_from(limit + 1).unwrap_or(u32::MAX);
-    let mut items = state.store.backend().list_ports(Some(&state.ports.host_id()), after, fetch).await?;
+    let mut items = state
+        .store
+        .backend()
+        .list_ports(Some(&state.ports.host_id()), after, fetch)
+        .await?;
     let limit = usize::try_from(limit).unwrap_or(usize::MAX);
     let more = items.len() > limit;
     items.truncate(limit);
-    let next_cursor = if more { items.last().map(|p| p.port.to_string()) } else { None };
+    let next_cursor = if more {
+        items.last().map(|p| p.port.to_string())
+    } else {
+        None
+    };
     Ok(Json(PortList { items, next_cursor }))
 }
 
@@ -147,8 +199,14 @@ async fn list(State(state): State<AppState>, Params(q): Params<ListQuery>) -> Re
         (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn release(State(state): State<AppState>, Path(port): Path<String>, Body(req): Body<ReleaseRequest>) -> Result<Json<PortRecord>, ApiError> {
-    let port: u16 = port.parse().map_err(|_| ApiError::NotFound(format!("no reservation of port {port:?}")))?;
+async fn release(
+    State(state): State<AppState>,
+    Path(port): Path<String>,
+    Body(req): Body<ReleaseRequest>,
+) -> Result<Json<PortRecord>, ApiError> {
+    let port: u16 = port
+        .parse()
+        .map_err(|_| ApiError::NotFound(format!("no reservation of port {port:?}")))?;
     validate::token("token", req.token)?;
     Ok(Json(state.ports.release(port, req.token).await?))
 }

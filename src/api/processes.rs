@@ -168,7 +168,10 @@ fn process_id(id: &str) -> Result<String, ApiError> {
         (status = 503, description = "`busy` or `unavailable`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn create(State(state): State<AppState>, Body(req): Body<CreateProcessRequest>) -> Result<impl IntoResponse, ApiError> {
+async fn create(
+    State(state): State<AppState>,
+    Body(req): Body<CreateProcessRequest>,
+) -> Result<impl IntoResponse, ApiError> {
     validate::text("kind", &req.kind, NAME_MAX)?;
     if let Some(op) = &req.operation_id {
         validate::text("operation_id", op, NAME_MAX)?;
@@ -178,7 +181,8 @@ async fn create(State(state): State<AppState>, Body(req): Body<CreateProcessRequ
     }
     if let Some(l) = &req.lease {
         validate::token("lease.token", l.token)?;
-        validate::id("lease", &l.id).map_err(|_| ApiError::validation("lease.id", "lease.id must be a lease id (UUID)"))?;
+        validate::id("lease", &l.id)
+            .map_err(|_| ApiError::validation("lease.id", "lease.id must be a lease id (UUID)"))?;
     }
     if let Some(cmd) = &req.command {
         validate::command(cmd)?;
@@ -186,14 +190,23 @@ async fn create(State(state): State<AppState>, Body(req): Body<CreateProcessRequ
     let ports = req.ports.unwrap_or_default();
     for (i, name) in ports.iter().enumerate() {
         if !crate::ports::valid_name(name) {
-            return Err(ApiError::validation(format!("ports.{i}"), "a port name must match [a-z][a-z0-9_]{0,31}"));
+            return Err(ApiError::validation(
+                format!("ports.{i}"),
+                "a port name must match [a-z][a-z0-9_]{0,31}",
+            ));
         }
         if ports[..i].contains(name) {
-            return Err(ApiError::validation(format!("ports.{i}"), format!("port name {name:?} is given twice")));
+            return Err(ApiError::validation(
+                format!("ports.{i}"),
+                format!("port name {name:?} is given twice"),
+            ));
         }
     }
     let metadata = validate::metadata(req.metadata)?;
-    let owner = req.owner.map(|o| resolve_owner(state.processes.host(), o, "owner")).transpose()?;
+    let owner = req
+        .owner
+        .map(|o| resolve_owner(state.processes.host(), o, "owner"))
+        .transpose()?;
     let create = CreateRequest {
         kind: req.kind,
         operation_id: req.operation_id,
@@ -204,9 +217,16 @@ async fn create(State(state): State<AppState>, Body(req): Body<CreateProcessRequ
         command: req.command,
         ports,
     };
-    let view = state.processes.create(create, crate::ports::DEFAULT_RANGE).await?;
+    let view = state
+        .processes
+        .create(create, crate::ports::DEFAULT_RANGE)
+        .await?;
     let location = format!("/v1/processes/{}", view.id);
-    Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(view)))
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(view),
+    ))
 }
 
 /// Get one process, its identity judged now.
@@ -218,10 +238,14 @@ async fn create(State(state): State<AppState>, Body(req): Body<CreateProcessRequ
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn get_process(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<ProcessView>, ApiError> {
+async fn get_process(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<ProcessView>, ApiError> {
     let id = process_id(&id)?;
     let view = state.processes.get(&id).await?;
-    view.map(Json).ok_or_else(|| ApiError::NotFound(format!("no process with id {id}")))
+    view.map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("no process with id {id}")))
 }
 
 /// List processes, newest first.
@@ -233,12 +257,18 @@ async fn get_process(State(state): State<AppState>, Path(id): Path<String>) -> R
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn list(State(state): State<AppState>, Params(q): Params<ListQuery>) -> Result<Json<ProcessList>, ApiError> {
+async fn list(
+    State(state): State<AppState>,
+    Params(q): Params<ListQuery>,
+) -> Result<Json<ProcessList>, ApiError> {
     let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
     validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
     let before_id = q
         .cursor
-        .map(|c| validate::id("cursor", &c).map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave")))
+        .map(|c| {
+            validate::id("cursor", &c)
+                .map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave"))
+        })
         .transpose()?;
     let filter = ProcessFilter {
         state: q.state.unwrap_or_default(),
@@ -252,7 +282,11 @@ async fn list(State(state): State<AppState>, Params(q): Params<ListQuery>) -> Re
     let limit = usize::try_from(limit).unwrap_or(usize::MAX);
     let more = recs.len() > limit;
     recs.truncate(limit);
-    let next_cursor = if more { recs.last().map(|r| r.id.clone()) } else { None };
+    let next_cursor = if more {
+        recs.last().map(|r| r.id.clone())
+    } else {
+        None
+    };
     let mut items = Vec::with_capacity(recs.len());
     for rec in recs {
         items.push(state.processes.with_ports(rec).await?);
@@ -273,14 +307,23 @@ async fn list(State(state): State<AppState>, Params(q): Params<ListQuery>) -> Re
         (status = 422, description = "`process_not_found` or `validation`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn confirm(State(state): State<AppState>, Path(id): Path<String>, Body(req): Body<ConfirmRequest>) -> Result<Json<ProcessView>, ApiError> {
+async fn confirm(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Body(req): Body<ConfirmRequest>,
+) -> Result<Json<ProcessView>, ApiError> {
     let id = process_id(&id)?;
     let token = positive_token(req.token)?;
     let pid = i32::try_from(req.pid)
         .ok()
         .filter(|p| *p > 0)
         .ok_or_else(|| ApiError::validation("pid", "pid must be a positive process id"))?;
-    Ok(Json(state.processes.confirm(id, token, pid, req.process_group).await?))
+    Ok(Json(
+        state
+            .processes
+            .confirm(id, token, pid, req.process_group)
+            .await?,
+    ))
 }
 
 /// Keep a process alive: a new `expires_at`.
@@ -294,13 +337,19 @@ async fn confirm(State(state): State<AppState>, Path(id): Path<String>, Body(req
         (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn heartbeat(State(state): State<AppState>, Path(id): Path<String>, Body(req): Body<HeartbeatRequest>) -> Result<Json<ProcessView>, ApiError> {
+async fn heartbeat(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Body(req): Body<HeartbeatRequest>,
+) -> Result<Json<ProcessView>, ApiError> {
     let id = process_id(&id)?;
     let token = positive_token(req.token)?;
     if let Some(ttl) = req.ttl_ms {
         validate::in_range("ttl_ms", ttl, TTL_MS)?;
     }
-    Ok(Json(state.processes.heartbeat(id, token, req.ttl_ms).await?))
+    Ok(Json(
+        state.processes.heartbeat(id, token, req.ttl_ms).await?,
+    ))
 }
 
 /// Stop a process and its group: SIGTERM, grace, SIGKILL when forced.
@@ -315,7 +364,11 @@ async fn heartbeat(State(state): State<AppState>, Path(id): Path<String>, Body(r
         (status = 409, description = "`fenced`, `identity_mismatch`, `remote_process`, `process_tree_not_settled`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn stop(State(state): State<AppState>, Path(id): Path<String>, Body(req): Body<StopRequest>) -> Result<Json<ProcessView>, ApiError> {
+async fn stop(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Body(req): Body<StopRequest>,
+) -> Result<Json<ProcessView>, ApiError> {
     let id = process_id(&id)?;
     let token = positive_token(req.token)?;
     let grace = match req.grace_ms {
@@ -328,7 +381,11 @@ async fn stop(State(state): State<AppState>, Path(id): Path<String>, Body(req): 
     if let Some(r) = &req.reason {
         validate::text("reason", r, NAME_MAX)?;
     }
-    let params = StopParams { grace, force: req.force.unwrap_or(true), reason: req.reason.unwrap_or_else(|| "stopped".into()) };
+    let params = StopParams {
+        grace,
+        force: req.force.unwrap_or(true),
+        reason: req.reason.unwrap_or_else(|| "stopped".into()),
+    };
     Ok(Json(state.processes.stop(id, token, params).await?))
 }
 
@@ -343,7 +400,11 @@ async fn stop(State(state): State<AppState>, Path(id): Path<String>, Body(req): 
         (status = 409, description = "`fenced` or `process_alive`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn finish(State(state): State<AppState>, Path(id): Path<String>, Body(req): Body<FinishRequest>) -> Result<Json<ProcessView>, ApiError> {
+async fn finish(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Body(req): Body<FinishRequest>,
+) -> Result<Json<ProcessView>, ApiError> {
     let id = process_id(&id)?;
     let token = positive_token(req.token)?;
     if let Some(r) = &req.reason {
@@ -353,7 +414,12 @@ async fn finish(State(state): State<AppState>, Path(id): Path<String>, Body(req)
         FinishState::Stopped => ProcessState::Stopped,
         FinishState::Failed => ProcessState::Failed,
     };
-    Ok(Json(state.processes.finish(id, token, target, req.reason, req.exit_code).await?))
+    Ok(Json(
+        state
+            .processes
+            .finish(id, token, target, req.reason, req.exit_code)
+            .await?,
+    ))
 }
 
 /// Raw output of a spawned process, from `offset`, with `X-Next-Offset`.
@@ -367,7 +433,11 @@ async fn finish(State(state): State<AppState>, Path(id): Path<String>, Body(req)
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn logs(State(state): State<AppState>, Path(id): Path<String>, Params(q): Params<LogsQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn logs(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Params(q): Params<LogsQuery>,
+) -> Result<impl IntoResponse, ApiError> {
     let id = process_id(&id)?;
     let offset = q.offset.unwrap_or(0);
     validate::in_range("offset", offset, 0..=i64::MAX)?;
@@ -381,13 +451,26 @@ async fn logs(State(state): State<AppState>, Path(id): Path<String>, Params(q): 
         Stream::Stdout => logs.stdout,
         Stream::Stderr => logs.stderr,
     };
-    let (offset, limit) = (u64::try_from(offset).unwrap_or(0), u64::try_from(limit).unwrap_or(0));
-    let bytes = tokio::task::spawn_blocking(move || read_range(std::path::Path::new(&path), offset, limit))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?
-        .map_err(|e| ApiError::Internal(format!("reading the log: {e}")))?;
+    let (offset, limit) = (
+        u64::try_from(offset).unwrap_or(0),
+        u64::try_from(limit).unwrap_or(0),
+    );
+    let bytes =
+        tokio::task::spawn_blocking(move || read_range(std::path::Path::new(&path), offset, limit))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .map_err(|e| ApiError::Internal(format!("reading the log: {e}")))?;
     let next = offset + bytes.len() as u64;
-    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()), (header::HeaderName::from_static("x-next-offset"), next.to_string())], bytes))
+    Ok((
+        [
+            (header::CONTENT_TYPE, "text/plain; charset=utf-8".to_owned()),
+            (
+                header::HeaderName::from_static("x-next-offset"),
+                next.to_string(),
+            ),
+        ],
+        bytes,
+    ))
 }
 
 fn read_range(path: &std::path::Path, offset: u64, limit: u64) -> std::io::Result<Vec<u8>> {

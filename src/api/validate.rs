@@ -77,6 +77,50 @@ pub fn id(kind: &str, value: &str) -> Result<String, ApiError> {
         .map_err(|_| ApiError::NotFound(format!("no {kind} with id {value:?}")))
 }
 
+pub const ARGV_MAX: usize = 256;
+pub const ENV_MAX: usize = 256;
+pub const ARG_BYTES: usize = 4096;
+
+/// `command.argv`, `command.env` and `command.cwd` of a spawn.
+pub fn command(cmd: &crate::model::Command) -> Result<(), ApiError> {
+    if cmd.argv.is_empty() || cmd.argv.len() > ARGV_MAX {
+        return Err(ApiError::validation(
+            "command.argv",
+            format!("argv must have 1 to {ARGV_MAX} entries"),
+        ));
+    }
+    for (i, arg) in cmd.argv.iter().enumerate() {
+        let field = format!("command.argv.{i}");
+        // Only the program must be non-empty; an argument may be "".
+        if i == 0 || !arg.is_empty() {
+            text(&field, arg, ARG_BYTES)?;
+        }
+    }
+    if cmd.env.len() > ENV_MAX {
+        return Err(ApiError::validation(
+            "command.env",
+            format!("env must have at most {ENV_MAX} entries"),
+        ));
+    }
+    for (key, value) in &cmd.env {
+        let field = format!("command.env.{key}");
+        text(&field, key, ARG_BYTES)?;
+        if key.contains('=') {
+            return Err(ApiError::validation(
+                field,
+                "an environment variable name must not contain '='",
+            ));
+        }
+        if !value.is_empty() {
+            text(&field, value, ARG_BYTES)?;
+        }
+    }
+    if let Some(cwd) = &cmd.cwd {
+        text("command.cwd", cwd, ARG_BYTES)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,40 +143,4 @@ mod tests {
         assert!(in_range("ttl_ms", 999, TTL_MS).is_err());
         assert!(in_range("ttl_ms", 86_400_001, TTL_MS).is_err());
     }
-}
-
-pub const ARGV_MAX: usize = 256;
-pub const ENV_MAX: usize = 256;
-pub const ARG_BYTES: usize = 4096;
-
-/// `command.argv`, `command.env` and `command.cwd` of a spawn.
-pub fn command(cmd: &crate::model::Command) -> Result<(), ApiError> {
-    if cmd.argv.is_empty() || cmd.argv.len() > ARGV_MAX {
-        return Err(ApiError::validation("command.argv", format!("argv must have 1 to {ARGV_MAX} entries")));
-    }
-    for (i, arg) in cmd.argv.iter().enumerate() {
-        let field = format!("command.argv.{i}");
-        if i == 0 {
-            text(&field, arg, ARG_BYTES)?;
-        } else if !arg.is_empty() {
-            text(&field, arg, ARG_BYTES)?;
-        }
-    }
-    if cmd.env.len() > ENV_MAX {
-        return Err(ApiError::validation("command.env", format!("env must have at most {ENV_MAX} entries")));
-    }
-    for (key, value) in &cmd.env {
-        let field = format!("command.env.{key}");
-        text(&field, key, ARG_BYTES)?;
-        if key.contains('=') {
-            return Err(ApiError::validation(field, "an environment variable name must not contain '='"));
-        }
-        if !value.is_empty() {
-            text(&field, value, ARG_BYTES)?;
-        }
-    }
-    if let Some(cwd) = &cmd.cwd {
-        text("command.cwd", cwd, ARG_BYTES)?;
-    }
-    Ok(())
 }

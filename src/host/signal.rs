@@ -52,7 +52,10 @@ pub fn verify(host: &dyn Host, recorded: &Identity) -> Result<Verified, ObserveE
         Ok(fd) => fd,
         Err(rustix::io::Errno::SRCH) => return Ok(Verified::Absent),
         Err(e) => {
-            return Err(ObserveError::Unreadable { pid: recorded.pid, source: e.into() });
+            return Err(ObserveError::Unreadable {
+                pid: recorded.pid,
+                source: e.into(),
+            });
         }
     };
     match host.observe(recorded.pid) {

@@ -26,7 +26,9 @@ pub struct SpawnSpec {
     pub stderr: PathBuf,
 }
 
-/// Why a program cannot be started, before anything is recorded.
+/// Find the program `argv0` as `execvp` would and check that the kernel can
+/// run it (an executable file that is ELF or a script whose interpreter
+/// exists), so that a hopeless spawn is refused before anything is recorded.
 pub fn check_program(argv0: &str, cwd: Option<&Path>) -> Result<PathBuf, String> {
     let candidates: Vec<PathBuf> = if argv0.contains('/') {
         let p = PathBuf::from(argv0);
@@ -35,18 +37,52 @@ pub fn check_program(argv0: &str, cwd: Option<&Path>) -> Result<PathBuf, String>
             _ => p,
         }]
     } else {
-        let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
-        std::env::split_paths(&path).map(|d| d.join(argv0)).collect()
+        let path =
+            std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+        std::env::split_paths(&path)
+            .map(|d| d.join(argv0))
+            .collect()
     };
-    for c in &candidates {
-        if let Ok(meta) = std::fs::metadata(c)
-            && meta.is_file()
-            && meta.permissions().mode() & 0o111 != 0
-        {
-            return Ok(c.clone());
-        }
+    let found = candidates.into_iter().find(|c| {
+        std::fs::metadata(c).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    });
+    let Some(program) = found else {
+        let where_ = if argv0.contains('/') { "" } else { " on PATH" };
+        return Err(format!("{argv0:?} is not an executable file{where_}"));
+    };
+    runnable(&program)?;
+    Ok(program)
+}
+
+fn runnable(program: &Path) -> Result<(), String> {
+    use std::io::Read;
+    let mut head = [0u8; 256];
+    let n = File::open(program)
+        .and_then(|mut f| f.read(&mut head))
+        .map_err(|e| format!("cannot read {}: {e}", program.display()))?;
+    let head = &head[..n];
+    if head.starts_with(b"\x7fELF") {
+        return Ok(());
     }
-    Err(format!("{argv0:?} is not an executable file{}", if argv0.contains('/') { "" } else { " on PATH" }))
+    if let Some(line) = head.strip_prefix(b"#!") {
+        let line = line.split(|b| *b == b'\n').next().unwrap_or_default();
+        let text = String::from_utf8_lossy(line);
+        let interpreter = text.split_whitespace().next().unwrap_or_default();
+        let ok = std::fs::metadata(interpreter)
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+        return if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "the interpreter {interpreter:?} of {} cannot be run",
+                program.display()
+            ))
+        };
+    }
+    Err(format!(
+        "{} is neither an ELF binary nor a script with #!",
+        program.display()
+    ))
 }
 
 /// Children holdfast started and waits for; exits of others (inherited
@@ -85,7 +121,10 @@ impl Reaper {
             match wait(WaitOptions::NOHANG) {
                 Ok(Some((pid, status))) => {
                     let pid = pid.as_raw_nonzero().get();
-                    let exit = Exit { code: status.exit_status(), signal: status.terminating_signal() };
+                    let exit = Exit {
+                        code: status.exit_status(),
+                        signal: status.terminating_signal(),
+                    };
                     if let Some(tx) = waiting.remove(&pid) {
                         let _ = tx.send(exit);
                     }
@@ -105,7 +144,10 @@ impl Reaper {
         spec: &SpawnSpec,
         observe: impl FnOnce(i32) -> T,
     ) -> std::io::Result<(T, oneshot::Receiver<Exit>)> {
-        let (program, args) = spec.argv.split_first().ok_or_else(|| std::io::Error::other("empty argv"))?;
+        let (program, args) = spec
+            .argv
+            .split_first()
+            .ok_or_else(|| std::io::Error::other("empty argv"))?;
         let stdout = File::create(&spec.stdout)?;
         let stderr = File::create(&spec.stderr)?;
         let mut cmd = std::process::Command::new(program);
@@ -126,9 +168,51 @@ impl Reaper {
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         // The Child handle is dropped without waiting: the reaper collects it.
         let child = cmd.spawn()?;
-        let pid = i32::try_from(child.id()).map_err(|_| std::io::Error::other("pid out of range"))?;
+        let pid =
+            i32::try_from(child.id()).map_err(|_| std::io::Error::other("pid out of range"))?;
         let (tx, rx) = oneshot::channel();
         waiting.insert(pid, tx);
         Ok((observe(pid), rx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn script(dir: &Path, name: &str, text: &str, mode: u32) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, text).expect("write");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        p
+    }
+
+    #[test]
+    fn programs_the_kernel_can_run_are_accepted() {
+        assert!(check_program("sh", None).is_ok(), "found on PATH");
+        assert!(check_program("/bin/sh", None).is_ok());
+        let dir = tempfile::tempdir().expect("tempdir");
+        script(dir.path(), "ok.sh", "#!/bin/sh\necho hi\n", 0o755);
+        assert!(
+            check_program("./ok.sh", Some(dir.path())).is_ok(),
+            "relative to cwd"
+        );
+    }
+
+    #[test]
+    fn programs_that_cannot_run_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let plain = script(dir.path(), "plain", "just text\n", 0o755);
+        let no_x = script(dir.path(), "nox.sh", "#!/bin/sh\n", 0o644);
+        let bad_interp = script(dir.path(), "bad.sh", "#!/no/such/shell\n", 0o755);
+        for p in [plain, no_x, bad_interp] {
+            assert!(
+                check_program(&p.display().to_string(), None).is_err(),
+                "{}",
+                p.display()
+            );
+        }
+        assert!(check_program("no-such-program-anywhere", None).is_err());
+        assert!(check_program("/etc", None).is_err(), "a directory");
     }
 }

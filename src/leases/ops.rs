@@ -38,7 +38,13 @@ fn event_type(state: LeaseState) -> &'static str {
     }
 }
 
-async fn append(tx: &mut dyn Tx, now: Millis, kind: &str, lease: &LeaseView, detail: Value) -> Result<i64> {
+async fn append(
+    tx: &mut dyn Tx,
+    now: Millis,
+    kind: &str,
+    lease: &LeaseView,
+    detail: Value,
+) -> Result<i64> {
     crate::events::append(tx, now, kind, crate::events::Subject::Lease(lease), detail).await
 }
 

@@ -15,7 +15,11 @@ pub struct PortOwner {
 
 impl PortOwner {
     pub fn kind(&self) -> &'static str {
-        if self.process.is_some() { "process" } else { "lease" }
+        if self.process.is_some() {
+            "process"
+        } else {
+            "lease"
+        }
     }
     pub fn target(&self) -> Option<&TokenRef> {
         self.process.as_ref().or(self.lease.as_ref())

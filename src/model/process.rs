@@ -25,7 +25,10 @@ pub enum ProcessState {
 
 impl ProcessState {
     pub fn is_current(self) -> bool {
-        matches!(self, Self::Starting | Self::Running | Self::Stopping | Self::Orphaned)
+        matches!(
+            self,
+            Self::Starting | Self::Running | Self::Stopping | Self::Orphaned
+        )
     }
     pub fn as_str(self) -> &'static str {
         match self {
@@ -118,7 +121,9 @@ impl ProcessRecord {
     }
     /// The process group we may signal: its own, when it leads one.
     pub fn pgid(&self) -> Option<i32> {
-        self.identity.as_ref().and_then(|i| i.pgid.filter(|g| *g == i.pid))
+        self.identity
+            .as_ref()
+            .and_then(|i| i.pgid.filter(|g| *g == i.pid))
     }
 }
 
@@ -169,7 +174,11 @@ pub struct ProcessView {
 }
 
 impl ProcessView {
-    pub fn new(rec: ProcessRecord, judged: Option<Judgement>, ports: std::collections::BTreeMap<String, u16>) -> Self {
+    pub fn new(
+        rec: ProcessRecord,
+        judged: Option<Judgement>,
+        ports: std::collections::BTreeMap<String, u16>,
+    ) -> Self {
         let pgid = rec.pgid();
         Self {
             pid: rec.pid(),

@@ -53,7 +53,10 @@ macro_rules! run {
             .store
             .write(true, move |$tx| {
                 Box::pin(async move {
-                    let $cx = crate::leases::ops::Ctx { host: host.as_ref(), now: crate::time::now_ms() };
+                    let $cx = crate::leases::ops::Ctx {
+                        host: host.as_ref(),
+                        now: crate::time::now_ms(),
+                    };
                     $body.await
                 })
             })
@@ -85,7 +88,10 @@ impl Ports {
         range: RangeInclusive<u16>,
     ) -> Result<Vec<crate::model::PortRecord>, Error> {
         let host_id = self.host_id();
-        run!(self, |tx, cx| ops::reserve(tx, cx, &host_id, owner, names, range))?.map_err(Error::Port)
+        run!(self, |tx, cx| ops::reserve(
+            tx, cx, &host_id, owner, names, range
+        ))?
+        .map_err(Error::Port)
     }
 
     pub async fn release(&self, port: u16, token: i64) -> Result<crate::model::PortRecord, Error> {

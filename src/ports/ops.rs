@@ -27,7 +27,12 @@ fn binds(port: u16) -> bool {
 
 /// Choose a free port for each name, or None when the range has too few.
 /// Writes nothing, so a caller may still refuse the request afterwards.
-pub async fn pick(tx: &mut dyn Tx, host_id: &str, names: &[String], range: RangeInclusive<u16>) -> Result<Option<Vec<(String, u16)>>> {
+pub async fn pick(
+    tx: &mut dyn Tx,
+    host_id: &str,
+    names: &[String],
+    range: RangeInclusive<u16>,
+) -> Result<Option<Vec<(String, u16)>>> {
     if names.is_empty() {
         return Ok(Some(Vec::new()));
     }
@@ -38,7 +43,9 @@ pub async fn pick(tx: &mut dyn Tx, host_id: &str, names: &[String], range: Range
     let start = u32::try_from(RandomState::new().hash_one(host_id) % u64::from(size)).unwrap_or(0);
     let mut picked = Vec::with_capacity(names.len());
     for i in 0..size {
-        let Ok(port) = u16::try_from(lo + (start + i) % size) else { continue };
+        let Ok(port) = u16::try_from(lo + (start + i) % size) else {
+            continue;
+        };
         if held.contains(&port) || picked.iter().any(|(_, p)| *p == port) || !binds(port) {
             continue;
         }
@@ -51,7 +58,13 @@ pub async fn pick(tx: &mut dyn Tx, host_id: &str, names: &[String], range: Range
 }
 
 /// Record the picked ports for `owner` and append their events.
-pub async fn insert(tx: &mut dyn Tx, cx: Ctx<'_>, host_id: &str, owner: &PortOwner, picked: Vec<(String, u16)>) -> Result<Vec<PortRecord>> {
+pub async fn insert(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    host_id: &str,
+    owner: &PortOwner,
+    picked: Vec<(String, u16)>,
+) -> Result<Vec<PortRecord>> {
     let mut out = Vec::with_capacity(picked.len());
     for (name, port) in picked {
         let rec = PortRecord {
@@ -64,7 +77,14 @@ pub async fn insert(tx: &mut dyn Tx, cx: Ctx<'_>, host_id: &str, owner: &PortOwn
             released_at: None,
         };
         tx.insert_port(&rec).await?;
-        append(tx, cx.now, "port.reserved", Subject::Port(&rec), Value::Null).await?;
+        append(
+            tx,
+            cx.now,
+            "port.reserved",
+            Subject::Port(&rec),
+            Value::Null,
+        )
+        .await?;
         out.push(rec);
     }
     Ok(out)
@@ -75,13 +95,24 @@ pub async fn release_all(tx: &mut dyn Tx, cx: Ctx<'_>, owner_id: &str) -> Result
     for mut rec in tx.ports_of(owner_id).await? {
         tx.release_port(&rec.id, cx.now).await?;
         rec.released_at = Some(cx.now);
-        append(tx, cx.now, "port.released", Subject::Port(&rec), Value::Null).await?;
+        append(
+            tx,
+            cx.now,
+            "port.released",
+            Subject::Port(&rec),
+            Value::Null,
+        )
+        .await?;
     }
     Ok(())
 }
 
 /// The owner's record as it is now, when it is not current with `token`.
-async fn owner_fenced(tx: &mut dyn Tx, cx: Ctx<'_>, owner: &PortOwner) -> Result<Option<Result<Value, PortError>>> {
+async fn owner_fenced(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    owner: &PortOwner,
+) -> Result<Option<Result<Value, PortError>>> {
     let Some(target) = owner.target() else {
         return Ok(Some(Err(PortError::NotFound)));
     };
@@ -97,7 +128,9 @@ async fn owner_fenced(tx: &mut dyn Tx, cx: Ctx<'_>, owner: &PortOwner) -> Result
     }
     match crate::leases::ops::current_parent(tx, cx, &target.id, target.token).await? {
         Ok(_) => Ok(None),
-        Err(crate::leases::LeaseError::ParentFenced(Some(l))) => Ok(Some(Ok(serde_json::to_value(l).unwrap_or(Value::Null)))),
+        Err(crate::leases::LeaseError::ParentFenced(Some(l))) => {
+            Ok(Some(Ok(serde_json::to_value(l).unwrap_or(Value::Null))))
+        }
         Err(_) => Ok(Some(Err(PortError::NotFound))),
     }
 }
@@ -122,15 +155,30 @@ pub async fn reserve(
 }
 
 /// Release one reservation with its owner's token.
-pub async fn release(tx: &mut dyn Tx, cx: Ctx<'_>, host_id: &str, port: u16, token: i64) -> Result<Result<PortRecord, PortError>> {
+pub async fn release(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    host_id: &str,
+    port: u16,
+    token: i64,
+) -> Result<Result<PortRecord, PortError>> {
     let Some(mut rec) = tx.current_port(host_id, port).await? else {
         return Ok(Err(PortError::NotFound));
     };
     if rec.owner.target().map(|t| t.token) != Some(token) {
-        return Ok(Err(PortError::Fenced(Box::new(serde_json::to_value(&rec).unwrap_or(Value::Null)))));
+        return Ok(Err(PortError::Fenced(Box::new(
+            serde_json::to_value(&rec).unwrap_or(Value::Null),
+        ))));
     }
     tx.release_port(&rec.id, cx.now).await?;
     rec.released_at = Some(cx.now);
-    append(tx, cx.now, "port.released", Subject::Port(&rec), Value::Null).await?;
+    append(
+        tx,
+        cx.now,
+        "port.released",
+        Subject::Port(&rec),
+        Value::Null,
+    )
+    .await?;
     Ok(Ok(rec))
 }

@@ -15,7 +15,9 @@ use crate::host::Host;
 use crate::host::signal::{self, OwnIds, Verified};
 use crate::host::spawn::{Reaper, SpawnSpec, check_program};
 use crate::leases::ops::Ctx;
-use crate::model::{Command, Exit, Identity, Logs, ProcessRecord, ProcessState, ProcessView, TokenRef};
+use crate::model::{
+    Command, Exit, Identity, Logs, ProcessRecord, ProcessState, ProcessView, TokenRef,
+};
 use crate::store::{Store, StoreError};
 use crate::time::now_ms;
 use ops::{Create, ProcError, StopStart, Stopped};
@@ -73,7 +75,10 @@ macro_rules! run {
             .store
             .write($durable, move |$tx| {
                 Box::pin(async move {
-                    let $cx = Ctx { host: host.as_ref(), now: now_ms() };
+                    let $cx = Ctx {
+                        host: host.as_ref(),
+                        now: now_ms(),
+                    };
                     $body.await
                 })
             })
@@ -82,10 +87,22 @@ macro_rules! run {
 }
 
 impl Processes {
-    pub fn new(store: Store, host: Arc<dyn Host>, reaper: Arc<Reaper>, data_dir: &Path) -> std::io::Result<Arc<Self>> {
+    pub fn new(
+        store: Store,
+        host: Arc<dyn Host>,
+        reaper: Arc<Reaper>,
+        data_dir: &Path,
+    ) -> std::io::Result<Arc<Self>> {
         let logs_dir = data_dir.join("logs");
         std::fs::create_dir_all(&logs_dir)?;
-        Ok(Arc::new(Self { store, host, reaper, own: OwnIds::read(), logs_dir, claiming: Mutex::default() }))
+        Ok(Arc::new(Self {
+            store,
+            host,
+            reaper,
+            own: OwnIds::read(),
+            logs_dir,
+            claiming: Mutex::default(),
+        }))
     }
 
     pub fn host(&self) -> &dyn Host {
@@ -97,21 +114,39 @@ impl Processes {
     }
 
     /// Spawn (with `command`) or register (without) a process.
-    pub async fn create(self: &Arc<Self>, req: CreateRequest, port_range: RangeInclusive<u16>) -> Result<ProcessView, Error> {
+    pub async fn create(
+        self: &Arc<Self>,
+        req: CreateRequest,
+        port_range: RangeInclusive<u16>,
+    ) -> Result<ProcessView, Error> {
         if let Some(cmd) = &req.command {
             let cwd = cmd.cwd.as_deref().map(Path::new);
             if let Some(dir) = cwd
                 && !dir.is_dir()
             {
-                return Err(Error::Invalid { field: "command.cwd", detail: format!("{} is not a directory", dir.display()) });
+                return Err(Error::Invalid {
+                    field: "command.cwd",
+                    detail: format!("{} is not a directory", dir.display()),
+                });
             }
             let argv0 = cmd.argv.first().map_or("", String::as_str);
-            check_program(argv0, cwd).map_err(|detail| Error::Invalid { field: "command.argv", detail })?;
+            check_program(argv0, cwd).map_err(|detail| Error::Invalid {
+                field: "command.argv",
+                detail,
+            })?;
         }
         let id = uuid::Uuid::now_v7().to_string();
         let logs = req.command.as_ref().map(|_| Logs {
-            stdout: self.logs_dir.join(format!("{id}.out")).display().to_string(),
-            stderr: self.logs_dir.join(format!("{id}.err")).display().to_string(),
+            stdout: self
+                .logs_dir
+                .join(format!("{id}.out"))
+                .display()
+                .to_string(),
+            stderr: self
+                .logs_dir
+                .join(format!("{id}.err"))
+                .display()
+                .to_string(),
         });
         let create = Create {
             id: id.clone(),
@@ -153,19 +188,31 @@ impl Processes {
             Ok((Err(e), _)) => {
                 let reason = format!("spawn_failed: cannot read the child's identity: {e}");
                 let failed_id = id.clone();
-                run!(self, true, |tx, cx| ops::spawn_failed(tx, cx, &failed_id, reason))?;
+                run!(self, true, |tx, cx| ops::spawn_failed(
+                    tx, cx, &failed_id, reason
+                ))?;
                 return Err(Error::Unverifiable(e.to_string()));
             }
             Err(e) => {
                 let reason = format!("spawn_failed: {e}");
                 let failed_id = id.clone();
-                run!(self, true, |tx, cx| ops::spawn_failed(tx, cx, &failed_id, reason))?;
-                return Err(Error::Invalid { field: "command.argv", detail: format!("cannot execute: {e}") });
+                run!(self, true, |tx, cx| ops::spawn_failed(
+                    tx, cx, &failed_id, reason
+                ))?;
+                return Err(Error::Invalid {
+                    field: "command.argv",
+                    detail: format!("cannot execute: {e}"),
+                });
             }
         };
         let pid = identity.pid;
         let started_id = id.clone();
-        let view = run!(self, true, |tx, cx| ops::started(tx, cx, &started_id, identity))??;
+        let view = run!(self, true, |tx, cx| ops::started(
+            tx,
+            cx,
+            &started_id,
+            identity
+        ))??;
         let me = self.clone();
         tokio::spawn(async move {
             if let Ok(exit) = exit_rx.await {
@@ -177,7 +224,9 @@ impl Processes {
 
     async fn record_exit(&self, id: String, pid: i32, exit: Exit) {
         let pid_id = id.clone();
-        let res = run!(self, true, |tx, cx| ops::exited(tx, cx, &pid_id, pid, exit, "exited"));
+        let res = run!(self, true, |tx, cx| ops::exited(
+            tx, cx, &pid_id, pid, exit, "exited"
+        ));
         if let Err(e) = res {
             tracing::warn!(process = %id, error = %e, "recording an exit failed; the reconciler will retry");
         }
@@ -186,7 +235,9 @@ impl Processes {
     /// Watch a process that is not our child (confirmed, or found again
     /// after a restart) until it exits; its exit status is then unknown.
     fn watch(self: &Arc<Self>, rec: &ProcessRecord) {
-        let Some(ident) = rec.identity.clone() else { return };
+        let Some(ident) = rec.identity.clone() else {
+            return;
+        };
         let me = self.clone();
         let id = rec.id.clone();
         tokio::spawn(async move {
@@ -204,7 +255,9 @@ impl Processes {
 
     /// One process as it is now.
     pub async fn get(&self, id: &str) -> Result<Option<ProcessView>, StoreError> {
-        let Some(rec) = self.store.backend().get_process(id).await? else { return Ok(None) };
+        let Some(rec) = self.store.backend().get_process(id).await? else {
+            return Ok(None);
+        };
         Ok(Some(self.with_ports(rec).await?))
     }
 
@@ -225,7 +278,13 @@ impl Processes {
         Ok(ident)
     }
 
-    pub async fn confirm(self: &Arc<Self>, id: String, token: i64, pid: i32, process_group: bool) -> Result<ProcessView, Error> {
+    pub async fn confirm(
+        self: &Arc<Self>,
+        id: String,
+        token: i64,
+        pid: i32,
+        process_group: bool,
+    ) -> Result<ProcessView, Error> {
         let mut ident = self.identity_for(pid)?;
         if process_group && ident.pgid != Some(pid) {
             return Err(Error::Invalid {
@@ -244,22 +303,38 @@ impl Processes {
         Ok(view)
     }
 
-    pub async fn heartbeat(&self, id: String, token: i64, ttl_ms: Option<i64>) -> Result<ProcessView, Error> {
+    pub async fn heartbeat(
+        &self,
+        id: String,
+        token: i64,
+        ttl_ms: Option<i64>,
+    ) -> Result<ProcessView, Error> {
         let durable = !self.store.backend().relaxed_renewals();
-        Ok(run!(self, durable, |tx, cx| ops::heartbeat(tx, cx, &id, token, ttl_ms))??)
+        Ok(run!(self, durable, |tx, cx| ops::heartbeat(
+            tx, cx, &id, token, ttl_ms
+        ))??)
     }
 
-    pub async fn stop(&self, id: String, token: i64, params: StopParams) -> Result<ProcessView, Error> {
+    pub async fn stop(
+        &self,
+        id: String,
+        token: i64,
+        params: StopParams,
+    ) -> Result<ProcessView, Error> {
         let (own, host_id) = (self.own, self.host_id());
         let sid = id.clone();
-        let start = run!(self, true, |tx, cx| ops::begin_stop(tx, cx, &sid, token, own, &host_id))??;
+        let start = run!(self, true, |tx, cx| ops::begin_stop(
+            tx, cx, &sid, token, own, &host_id
+        ))??;
         let rec = match start {
             StopStart::Done(view) => return Ok(view),
             StopStart::Signal(rec) => rec,
         };
         let outcome = stop_tree(self.host.as_ref(), &rec, &params).await;
         let reason = Some(params.reason);
-        Ok(run!(self, true, |tx, cx| ops::end_stop(tx, cx, &id, rec.token, outcome, reason))??)
+        Ok(run!(self, true, |tx, cx| ops::end_stop(
+            tx, cx, &id, rec.token, outcome, reason
+        ))??)
     }
 
     pub async fn finish(
@@ -270,14 +345,23 @@ impl Processes {
         reason: Option<String>,
         exit_code: Option<i32>,
     ) -> Result<ProcessView, Error> {
-        Ok(run!(self, true, |tx, cx| ops::finish(tx, cx, &id, token, state, reason, exit_code))??)
+        Ok(run!(self, true, |tx, cx| ops::finish(
+            tx, cx, &id, token, state, reason, exit_code
+        ))??)
     }
 
     /// At startup: watch the processes of this host that still run, and
     /// end those that exited while the server was down.
     pub async fn adopt(self: &Arc<Self>) -> Result<(), StoreError> {
-        for rec in self.store.backend().current_processes(&self.host_id()).await? {
-            if rec.identity.is_some() && matches!(rec.state, ProcessState::Running | ProcessState::Stopping) {
+        for rec in self
+            .store
+            .backend()
+            .current_processes(&self.host_id())
+            .await?
+        {
+            if rec.identity.is_some()
+                && matches!(rec.state, ProcessState::Running | ProcessState::Stopping)
+            {
                 self.watch(&rec);
             }
         }
@@ -288,8 +372,18 @@ impl Processes {
     /// would not die, and end records whose process is gone unnoticed.
     pub async fn reconcile(self: &Arc<Self>) -> Result<usize, StoreError> {
         let mut claimed = 0;
-        for rec in self.store.backend().current_processes(&self.host_id()).await? {
-            if self.claiming.lock().unwrap_or_else(PoisonError::into_inner).contains(&rec.id) {
+        for rec in self
+            .store
+            .backend()
+            .current_processes(&self.host_id())
+            .await?
+        {
+            if self
+                .claiming
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains(&rec.id)
+            {
                 continue;
             }
             let orphan = if rec.state == ProcessState::Orphaned {
@@ -308,19 +402,31 @@ impl Processes {
     }
 
     fn stop_orphan(self: &Arc<Self>, rec: ProcessRecord) {
-        self.claiming.lock().unwrap_or_else(PoisonError::into_inner).insert(rec.id.clone());
+        self.claiming
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(rec.id.clone());
         let me = self.clone();
         tokio::spawn(async move {
-            let params = StopParams { grace: DEFAULT_GRACE, force: true, reason: "orphan_reconciled".into() };
+            let params = StopParams {
+                grace: DEFAULT_GRACE,
+                force: true,
+                reason: "orphan_reconciled".into(),
+            };
             let outcome = stop_tree(me.host.as_ref(), &rec, &params).await;
             let (id, token) = (rec.id.clone(), rec.token);
-            if let Err(e) = run!(me, true, |tx, cx| ops::end_orphan(tx, cx, &id, token, outcome)) {
+            if let Err(e) = run!(me, true, |tx, cx| ops::end_orphan(
+                tx, cx, &id, token, outcome
+            )) {
                 tracing::warn!(process = %rec.id, error = %e, "recording an orphan's stop failed");
             }
             if outcome == Stopped::NotSettled {
                 tracing::warn!(process = %rec.id, "orphan's process tree did not settle; will retry");
             }
-            me.claiming.lock().unwrap_or_else(PoisonError::into_inner).remove(&rec.id);
+            me.claiming
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&rec.id);
         });
     }
 

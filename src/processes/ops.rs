@@ -11,7 +11,8 @@ use crate::host::signal::OwnIds;
 use crate::leases::ops::{Ctx, current_parent};
 use crate::leases::{LeaseError, rules::expiry};
 use crate::model::{
-    Command, Exit, Identity, Liveness, Logs, PortOwner, ProcessRecord, ProcessState, ProcessView, TokenRef,
+    Command, Exit, Identity, Liveness, Logs, PortOwner, ProcessRecord, ProcessState, ProcessView,
+    TokenRef,
 };
 use crate::ports::ops as ports;
 use crate::store::{Result, Tx};
@@ -37,7 +38,12 @@ pub type Outcome<T> = std::result::Result<T, ProcError>;
 
 /// The process as the API shows it, with its ports and its identity judged now.
 pub async fn view(tx: &mut dyn Tx, cx: Ctx<'_>, rec: ProcessRecord) -> Result<ProcessView> {
-    let ports: BTreeMap<String, u16> = tx.ports_of(&rec.id).await?.into_iter().map(|p| (p.name, p.port)).collect();
+    let ports: BTreeMap<String, u16> = tx
+        .ports_of(&rec.id)
+        .await?
+        .into_iter()
+        .map(|p| (p.name, p.port))
+        .collect();
     let judged = rec.identity.as_ref().map(|i| cx.host.judge(i));
     Ok(ProcessView::new(rec, judged, ports))
 }
@@ -46,21 +52,40 @@ async fn boxed(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &ProcessRecord) -> Result<Box<
     Ok(Box::new(view(tx, cx, rec.clone()).await?))
 }
 
-async fn event(tx: &mut dyn Tx, cx: Ctx<'_>, kind: &str, rec: &ProcessRecord, detail: Value) -> Result<ProcessView> {
+async fn event(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    kind: &str,
+    rec: &ProcessRecord,
+    detail: Value,
+) -> Result<ProcessView> {
     let v = view(tx, cx, rec.clone()).await?;
     append(tx, cx.now, kind, Subject::Process(&v), detail).await?;
     Ok(v)
 }
 
 /// End a current process in `state`, free its ports, and record why.
-async fn end(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &mut ProcessRecord, state: ProcessState, reason: String) -> Result<ProcessView> {
+async fn end(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    rec: &mut ProcessRecord,
+    state: ProcessState,
+    reason: String,
+) -> Result<ProcessView> {
     rec.state = state;
     rec.ended_at = Some(cx.now);
     rec.end_reason = Some(reason);
     tx.update_process(rec).await?;
     tx.require_durable();
     ports::release_all(tx, cx, &rec.id).await?;
-    event(tx, cx, &format!("process.{}", state.as_str()), rec, Value::Null).await
+    event(
+        tx,
+        cx,
+        &format!("process.{}", state.as_str()),
+        rec,
+        Value::Null,
+    )
+    .await
 }
 
 /// A process record about to be created.
@@ -81,11 +106,18 @@ pub struct Create {
 /// Record a `starting` process, with its ports, after checking that its
 /// operation id is free and its lease current. Nothing is written when a
 /// check fails.
-pub async fn create(tx: &mut dyn Tx, cx: Ctx<'_>, host_id: &str, c: Create) -> Result<Outcome<(ProcessRecord, BTreeMap<String, u16>)>> {
+pub async fn create(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    host_id: &str,
+    c: Create,
+) -> Result<Outcome<(ProcessRecord, BTreeMap<String, u16>)>> {
     if let Some(op) = &c.operation_id
         && let Some(other) = tx.process_by_operation(op).await?
     {
-        return Ok(Err(ProcError::OperationInProgress(boxed(tx, cx, &other).await?)));
+        return Ok(Err(ProcError::OperationInProgress(
+            boxed(tx, cx, &other).await?,
+        )));
     }
     if let Some(l) = &c.lease {
         match current_parent(tx, cx, &l.id, l.token).await? {
@@ -121,14 +153,25 @@ pub async fn create(tx: &mut dyn Tx, cx: Ctx<'_>, host_id: &str, c: Create) -> R
     };
     tx.insert_process(&rec).await?;
     event(tx, cx, "process.registered", &rec, Value::Null).await?;
-    let owner = PortOwner { process: Some(TokenRef { id: rec.id.clone(), token: rec.token }), lease: None };
+    let owner = PortOwner {
+        process: Some(TokenRef {
+            id: rec.id.clone(),
+            token: rec.token,
+        }),
+        lease: None,
+    };
     let reserved = ports::insert(tx, cx, host_id, &owner, picked).await?;
     let ports = reserved.into_iter().map(|p| (p.name, p.port)).collect();
     Ok(Ok((rec, ports)))
 }
 
 /// A spawned child is running with this identity.
-pub async fn started(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, identity: Identity) -> Result<Outcome<ProcessView>> {
+pub async fn started(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    identity: Identity,
+) -> Result<Outcome<ProcessView>> {
     let Some(mut rec) = tx.process(id).await? else {
         return Ok(Err(ProcError::NotFound));
     };
@@ -139,7 +182,9 @@ pub async fn started(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, identity: Identity)
     rec.identity = Some(identity);
     rec.started_at = Some(cx.now);
     tx.update_process(&rec).await?;
-    Ok(Ok(event(tx, cx, "process.running", &rec, Value::Null).await?))
+    Ok(Ok(
+        event(tx, cx, "process.running", &rec, Value::Null).await?
+    ))
 }
 
 /// The spawn failed after the record was made: it ends `failed`.
@@ -152,7 +197,12 @@ pub async fn spawn_failed(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, reason: String
     Ok(())
 }
 
-async fn fenced(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64) -> Result<Outcome<ProcessRecord>> {
+async fn fenced(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    token: i64,
+) -> Result<Outcome<ProcessRecord>> {
     let Some(rec) = tx.process(id).await? else {
         return Ok(Err(ProcError::NotFound));
     };
@@ -162,12 +212,21 @@ async fn fenced(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64) -> Result<Ou
     Ok(Ok(rec))
 }
 
-pub async fn confirm(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, identity: Identity) -> Result<Outcome<ProcessView>> {
+pub async fn confirm(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    token: i64,
+    identity: Identity,
+) -> Result<Outcome<ProcessView>> {
     let rec = match fenced(tx, cx, id, token).await? {
         Ok(r) => r,
         Err(e) => return Ok(Err(e)),
     };
-    let same = rec.identity.as_ref().is_some_and(|i| i.same_process(&identity));
+    let same = rec
+        .identity
+        .as_ref()
+        .is_some_and(|i| i.same_process(&identity));
     if rec.state == ProcessState::Running && same {
         return Ok(Ok(view(tx, cx, rec).await?));
     }
@@ -177,7 +236,13 @@ pub async fn confirm(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, identit
     started(tx, cx, id, identity).await
 }
 
-pub async fn heartbeat(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, ttl_ms: Option<i64>) -> Result<Outcome<ProcessView>> {
+pub async fn heartbeat(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    token: i64,
+    ttl_ms: Option<i64>,
+) -> Result<Outcome<ProcessView>> {
     let mut rec = match fenced(tx, cx, id, token).await? {
         Ok(r) => r,
         Err(e) => return Ok(Err(e)),
@@ -200,7 +265,14 @@ pub enum StopStart {
 }
 
 /// Begin a stop: fence, refuse what must not be signalled, mark `stopping`.
-pub async fn begin_stop(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, own: OwnIds, host_id: &str) -> Result<Outcome<StopStart>> {
+pub async fn begin_stop(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    token: i64,
+    own: OwnIds,
+    host_id: &str,
+) -> Result<Outcome<StopStart>> {
     let mut rec = match fenced(tx, cx, id, token).await? {
         Ok(r) => r,
         Err(e) => return Ok(Err(e)),
@@ -209,15 +281,30 @@ pub async fn begin_stop(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, own:
         return Ok(Ok(StopStart::Done(view(tx, cx, rec).await?)));
     }
     if rec.state == ProcessState::Starting {
-        let v = end(tx, cx, &mut rec, ProcessState::Stopped, "stopped_before_start".into()).await?;
+        let v = end(
+            tx,
+            cx,
+            &mut rec,
+            ProcessState::Stopped,
+            "stopped_before_start".into(),
+        )
+        .await?;
         return Ok(Ok(StopStart::Done(v)));
     }
     let remote = rec.host_id != host_id
-        || rec.identity.as_ref().is_some_and(|i| cx.host.judge(i).status == Liveness::Remote);
+        || rec
+            .identity
+            .as_ref()
+            .is_some_and(|i| cx.host.judge(i).status == Liveness::Remote);
     if remote {
         return Ok(Err(ProcError::RemoteProcess(boxed(tx, cx, &rec).await?)));
     }
-    if let Some(why) = rec.identity.as_ref().filter(|_| !rec.spawned).and_then(|i| own.refusal(i)) {
+    if let Some(why) = rec
+        .identity
+        .as_ref()
+        .filter(|_| !rec.spawned)
+        .and_then(|i| own.refusal(i))
+    {
         return Ok(Err(ProcError::Forbidden(why)));
     }
     if rec.state == ProcessState::Running {
@@ -257,7 +344,9 @@ pub async fn end_stop(
     match outcome {
         Stopped::Settled => {
             let reason = reason.unwrap_or_else(|| "stopped".into());
-            Ok(Ok(end(tx, cx, &mut rec, ProcessState::Stopped, reason).await?))
+            Ok(Ok(
+                end(tx, cx, &mut rec, ProcessState::Stopped, reason).await?
+            ))
         }
         Stopped::Reused => {
             let v = end(tx, cx, &mut rec, ProcessState::Exited, "pid_reused".into()).await?;
@@ -290,7 +379,11 @@ pub async fn finish(
     if !rec.state.is_current() {
         return Ok(Ok(view(tx, cx, rec).await?));
     }
-    if rec.identity.as_ref().is_some_and(|i| cx.host.judge(i).status == Liveness::Live) {
+    if rec
+        .identity
+        .as_ref()
+        .is_some_and(|i| cx.host.judge(i).status == Liveness::Live)
+    {
         return Ok(Err(ProcError::ProcessAlive(boxed(tx, cx, &rec).await?)));
     }
     if exit_code.is_some() {
@@ -302,8 +395,17 @@ pub async fn finish(
 
 /// The watched process exited. A `running` record ends `exited`; one being
 /// stopped only learns its exit status (the stopper ends it).
-pub async fn exited(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, pid: i32, exit: Exit, reason: &str) -> Result<()> {
-    let Some(mut rec) = tx.process(id).await? else { return Ok(()) };
+pub async fn exited(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    pid: i32,
+    exit: Exit,
+    reason: &str,
+) -> Result<()> {
+    let Some(mut rec) = tx.process(id).await? else {
+        return Ok(());
+    };
     if rec.pid() != Some(pid) {
         return Ok(());
     }
@@ -324,8 +426,15 @@ pub async fn exited(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, pid: i32, exit: Exit
 
 /// Why the reconciler would claim `rec`: its lease ended, or its heartbeat
 /// TTL passed while its owner is not live.
-pub async fn claim_reason(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &ProcessRecord) -> Result<Option<&'static str>> {
-    if !matches!(rec.state, ProcessState::Starting | ProcessState::Running | ProcessState::Stopping) {
+pub async fn claim_reason(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    rec: &ProcessRecord,
+) -> Result<Option<&'static str>> {
+    if !matches!(
+        rec.state,
+        ProcessState::Starting | ProcessState::Running | ProcessState::Stopping
+    ) {
         return Ok(None);
     }
     if let Some(l) = &rec.lease {
@@ -335,7 +444,10 @@ pub async fn claim_reason(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &ProcessRecord) -> 
         }
     }
     let ttl_passed = rec.expires_at.is_some_and(|at| cx.now >= at);
-    let owner_live = rec.owner.as_ref().is_some_and(|o| cx.host.judge(o).status == Liveness::Live);
+    let owner_live = rec
+        .owner
+        .as_ref()
+        .is_some_and(|o| cx.host.judge(o).status == Liveness::Live);
     if ttl_passed && !owner_live {
         return Ok(Some("heartbeat_expired"));
     }
@@ -345,11 +457,22 @@ pub async fn claim_reason(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &ProcessRecord) -> 
 /// The reconciler claims `id` if it still must: a new token fences the old
 /// holder, and the record is `orphaned` until its tree is stopped.
 pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<ProcessRecord>> {
-    let Some(mut rec) = tx.process(id).await? else { return Ok(None) };
-    let Some(why) = claim_reason(tx, cx, &rec).await? else { return Ok(None) };
+    let Some(mut rec) = tx.process(id).await? else {
+        return Ok(None);
+    };
+    let Some(why) = claim_reason(tx, cx, &rec).await? else {
+        return Ok(None);
+    };
     rec.token += 1;
     if rec.state == ProcessState::Starting {
-        end(tx, cx, &mut rec, ProcessState::Stopped, "orphan_reconciled".into()).await?;
+        end(
+            tx,
+            cx,
+            &mut rec,
+            ProcessState::Stopped,
+            "orphan_reconciled".into(),
+        )
+        .await?;
         return Ok(None);
     }
     rec.state = ProcessState::Orphaned;
@@ -360,20 +483,42 @@ pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<Proc
 }
 
 /// The reconciler's stop of an orphan is over.
-pub async fn end_orphan(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str, token: i64, outcome: Stopped) -> Result<()> {
-    let Some(mut rec) = tx.process(id).await? else { return Ok(()) };
+pub async fn end_orphan(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    token: i64,
+    outcome: Stopped,
+) -> Result<()> {
+    let Some(mut rec) = tx.process(id).await? else {
+        return Ok(());
+    };
     if rec.token != token || rec.state != ProcessState::Orphaned {
         return Ok(());
     }
     match outcome {
         Stopped::Settled => {
-            end(tx, cx, &mut rec, ProcessState::Stopped, "orphan_reconciled".into()).await?;
+            end(
+                tx,
+                cx,
+                &mut rec,
+                ProcessState::Stopped,
+                "orphan_reconciled".into(),
+            )
+            .await?;
         }
         Stopped::Reused => {
             end(tx, cx, &mut rec, ProcessState::Exited, "pid_reused".into()).await?;
         }
         Stopped::NotSettled => {
-            event(tx, cx, "process.kill_failed", &rec, json!({ "reason": "process tree did not settle after SIGKILL" })).await?;
+            event(
+                tx,
+                cx,
+                "process.kill_failed",
+                &rec,
+                json!({ "reason": "process tree did not settle after SIGKILL" }),
+            )
+            .await?;
         }
     }
     Ok(())

@@ -50,7 +50,11 @@ fn send(host: &dyn Host, ident: &Identity, pgid: Option<i32>, sig: Sig, reason: 
                 None => ("process", signal::signal_process(&fd, sig)),
             };
             log(target, &result);
-            if result.is_ok() { Sent::Signalled } else { Sent::Failed }
+            if result.is_ok() {
+                Sent::Signalled
+            } else {
+                Sent::Failed
+            }
         }
         // The leader is gone; its group may live on, and while it does its
         // number cannot have been given to anyone else.
@@ -58,7 +62,11 @@ fn send(host: &dyn Host, ident: &Identity, pgid: Option<i32>, sig: Sig, reason: 
             Some(g) => {
                 let result = signal::signal_group(g, sig);
                 log("group (leader gone)", &result);
-                if result.is_ok() { Sent::Signalled } else { Sent::Failed }
+                if result.is_ok() {
+                    Sent::Signalled
+                } else {
+                    Sent::Failed
+                }
             }
             None => Sent::Gone,
         },
@@ -78,7 +86,12 @@ fn gone(host: &dyn Host, ident: &Identity, pgid: Option<i32>) -> bool {
     leader_gone && !pgid.is_some_and(signal::group_alive)
 }
 
-async fn settled_within(host: &dyn Host, ident: &Identity, pgid: Option<i32>, within: Duration) -> bool {
+async fn settled_within(
+    host: &dyn Host,
+    ident: &Identity,
+    pgid: Option<i32>,
+    within: Duration,
+) -> bool {
     let deadline = Instant::now() + within;
     loop {
         if gone(host, ident, pgid) {
@@ -93,7 +106,9 @@ async fn settled_within(host: &dyn Host, ident: &Identity, pgid: Option<i32>, wi
 
 /// Stop the process of `rec` and, when it leads one, its process group.
 pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> Stopped {
-    let Some(ident) = &rec.identity else { return Stopped::Settled };
+    let Some(ident) = &rec.identity else {
+        return Stopped::Settled;
+    };
     let pgid = rec.pgid();
     match send(host, ident, pgid, Sig::Term, &p.reason) {
         Sent::Reused => return Stopped::Reused,
@@ -111,5 +126,9 @@ pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> 
         Sent::Reused => return Stopped::Reused,
         Sent::Signalled | Sent::Failed => {}
     }
-    if settled_within(host, ident, pgid, KILL_WAIT).await { Stopped::Settled } else { Stopped::NotSettled }
+    if settled_within(host, ident, pgid, KILL_WAIT).await {
+        Stopped::Settled
+    } else {
+        Stopped::NotSettled
+    }
 }

@@ -54,14 +54,21 @@ pub trait Tx: Send {
 
     fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>>;
     /// The current process holding `operation_id`, if any.
-    fn process_by_operation<'a>(&'a mut self, operation_id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>>;
+    fn process_by_operation<'a>(
+        &'a mut self,
+        operation_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ProcessRecord>>>;
     fn insert_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>>;
     /// Overwrite the mutable fields of the process with `p.id`.
     fn update_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>>;
 
     /// Ports held by current reservations on `host_id`.
     fn held_ports<'a>(&'a mut self, host_id: &'a str) -> BoxFuture<'a, Result<Vec<u16>>>;
-    fn current_port<'a>(&'a mut self, host_id: &'a str, port: u16) -> BoxFuture<'a, Result<Option<PortRecord>>>;
+    fn current_port<'a>(
+        &'a mut self,
+        host_id: &'a str,
+        port: u16,
+    ) -> BoxFuture<'a, Result<Option<PortRecord>>>;
     fn insert_port<'a>(&'a mut self, p: &'a PortRecord) -> BoxFuture<'a, Result<()>>;
     /// Current reservations of the lease or process `owner_id`.
     fn ports_of<'a>(&'a mut self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>>;
@@ -96,14 +103,25 @@ pub trait Backend: Send + Sync + 'static {
     fn leases_to_reconcile(&self, now: Millis) -> BoxFuture<'_, Result<Vec<LeaseRecord>>>;
     fn count_current_leases(&self) -> BoxFuture<'_, Result<i64>>;
     fn get_process<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>>;
-    fn list_processes<'a>(&'a self, filter: &'a ProcessFilter) -> BoxFuture<'a, Result<Vec<ProcessRecord>>>;
+    fn list_processes<'a>(
+        &'a self,
+        filter: &'a ProcessFilter,
+    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>>;
     /// Current processes recorded on `host_id` (for the reconciler and re-adoption).
-    fn current_processes<'a>(&'a self, host_id: &'a str) -> BoxFuture<'a, Result<Vec<ProcessRecord>>>;
+    fn current_processes<'a>(
+        &'a self,
+        host_id: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>>;
     fn count_current_processes(&self) -> BoxFuture<'_, Result<i64>>;
     /// Current reservations of `owner_id` (a lease or process id).
     fn owner_ports<'a>(&'a self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>>;
     /// Current reservations, lowest port first, after `after_port`.
-    fn list_ports<'a>(&'a self, host_id: Option<&'a str>, after_port: u16, limit: u32) -> BoxFuture<'a, Result<Vec<PortRecord>>>;
+    fn list_ports<'a>(
+        &'a self,
+        host_id: Option<&'a str>,
+        after_port: u16,
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<PortRecord>>>;
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>>;
     fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>>;
     /// A small write that proves the store is open, migrated and writable.

@@ -4,6 +4,7 @@ mod disk_full;
 mod errors;
 mod leases;
 mod owners;
+mod processes;
 mod races;
 mod restart;
 mod service;

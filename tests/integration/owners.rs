@@ -167,7 +167,7 @@ async fn owner_must_exist_and_match_the_start_time_the_client_saw() {
 
 /// Spawn `sleep` until the kernel hands it `pid`, steering it with
 /// /proc/sys/kernel/ns_last_pid. None when that is not possible here.
-async fn spawn_with_pid(pid: i64) -> Option<tokio::process::Child> {
+pub async fn spawn_with_pid(pid: i64) -> Option<tokio::process::Child> {
     for _ in 0..50 {
         if std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).is_err() {
             return None;

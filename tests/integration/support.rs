@@ -11,7 +11,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 pub struct Server {
-    child: Child,
+    pub(crate) child: Child,
     pub base: String,
     pub client: reqwest::Client,
     _tmp: Option<tempfile::TempDir>,
@@ -257,4 +257,94 @@ pub fn assert_lease_shape(lease: &Value) {
     for m in LEASE_MEMBERS {
         assert!(obj.contains_key(*m), "lease lacks {m}: {lease}");
     }
+}
+
+impl Server {
+    /// Spawn `argv` through the server and expect it to be running.
+    pub async fn spawn(&self, body: Value) -> Value {
+        let r = self.post("/v1/processes", body).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        r.body
+    }
+
+    pub async fn process(&self, id: &str) -> Value {
+        let r = self.get(&format!("/v1/processes/{id}")).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        r.body
+    }
+
+    pub async fn process_op(&self, id: &str, op: &str, body: Value) -> Reply {
+        self.post(&format!("/v1/processes/{id}/{op}"), body).await
+    }
+
+    /// Raw log bytes and the next offset.
+    pub async fn logs(&self, id: &str, query: &str) -> (StatusCode, String, Option<u64>) {
+        let res = self
+            .client
+            .get(self.url(&format!("/v1/processes/{id}/logs?{query}")))
+            .send()
+            .await
+            .expect("logs");
+        let status = res.status();
+        let next = res
+            .headers()
+            .get("x-next-offset")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        (status, res.text().await.expect("text"), next)
+    }
+}
+
+/// Whether `pid` is a running (not zombie) process right now.
+pub fn alive(pid: i64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next()),
+            Some("Z" | "X")
+        ),
+        Err(_) => false,
+    }
+}
+
+/// The pids in process group `pgid`.
+pub fn group_members(pgid: i64) -> Vec<i64> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i64>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let fields: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        if fields.get(2).and_then(|g| g.parse::<i64>().ok()) == Some(pgid) && alive(pid) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Wait until `pred` holds, checking every few ms (for kernel state, which
+/// sends no event a test could await).
+pub async fn until(within: Duration, mut pred: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while tokio::time::Instant::now() < deadline {
+        if pred() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    pred()
+}
+
+/// The server's pid (the harness starts it through `setsid`, which execs in place).
+pub fn server_pid(s: &Server) -> i64 {
+    i64::from(s.child.id().expect("server running"))
 }

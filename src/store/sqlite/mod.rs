@@ -175,14 +175,26 @@ impl Backend for SqliteStore {
         Box::pin(self.reads.with(move |c| rows_process::process(c, &id)))
     }
 
-    fn list_processes<'a>(&'a self, filter: &'a ProcessFilter) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
+    fn list_processes<'a>(
+        &'a self,
+        filter: &'a ProcessFilter,
+    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
         let filter = filter.clone();
-        Box::pin(self.reads.with(move |c| rows_process::list_processes(c, &filter)))
+        Box::pin(
+            self.reads
+                .with(move |c| rows_process::list_processes(c, &filter)),
+        )
     }
 
-    fn current_processes<'a>(&'a self, host_id: &'a str) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
+    fn current_processes<'a>(
+        &'a self,
+        host_id: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
         let host_id = host_id.to_owned();
-        Box::pin(self.reads.with(move |c| rows_process::current_processes(c, &host_id)))
+        Box::pin(
+            self.reads
+                .with(move |c| rows_process::current_processes(c, &host_id)),
+        )
     }
 
     fn count_current_processes(&self) -> BoxFuture<'_, Result<i64>> {
@@ -191,12 +203,23 @@ impl Backend for SqliteStore {
 
     fn owner_ports<'a>(&'a self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
         let owner_id = owner_id.to_owned();
-        Box::pin(self.reads.with(move |c| rows_process::ports_of(c, &owner_id)))
+        Box::pin(
+            self.reads
+                .with(move |c| rows_process::ports_of(c, &owner_id)),
+        )
     }
 
-    fn list_ports<'a>(&'a self, host_id: Option<&'a str>, after_port: u16, limit: u32) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+    fn list_ports<'a>(
+        &'a self,
+        host_id: Option<&'a str>,
+        after_port: u16,
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
         let host_id = host_id.map(str::to_owned);
-        Box::pin(self.reads.with(move |c| rows_process::list_ports(c, host_id.as_deref(), after_port, limit)))
+        Box::pin(
+            self.reads
+                .with(move |c| rows_process::list_ports(c, host_id.as_deref(), after_port, limit)),
+        )
     }
 
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {

@@ -4,7 +4,8 @@ use rusqlite::{Connection, Row, params};
 
 use super::map_err;
 use crate::model::{
-    Exit, Logs, PortOwner, PortRecord, ProcessFilter, ProcessRecord, ProcessState, StateFilter, TokenRef,
+    Exit, Logs, PortOwner, PortRecord, ProcessFilter, ProcessRecord, ProcessState, StateFilter,
+    TokenRef,
 };
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
@@ -13,28 +14,41 @@ const COLS: &str = "id, kind, state, token, operation_id, lease_id, lease_token,
      spawned, command, stdout_path, stderr_path, exit_code, exit_signal, ttl_ms, expires_at, \
      created_at, started_at, ended_at, end_reason, metadata";
 const CURRENT: &str = "state IN ('starting', 'running', 'stopping', 'orphaned')";
-const PORT_COLS: &str = "id, host_id, port, name, owner_kind, owner_id, owner_token, reserved_at, released_at";
+const PORT_COLS: &str =
+    "id, host_id, port, name, owner_kind, owner_id, owner_token, reserved_at, released_at";
 
 fn bad(what: &str, e: impl std::fmt::Display) -> StoreError {
     StoreError::Other(format!("stored {what} does not decode: {e}"))
 }
 
 fn json<T: serde::de::DeserializeOwned>(what: &str, s: Option<String>) -> Result<Option<T>> {
-    s.map(|s| serde_json::from_str(&s)).transpose().map_err(|e| bad(what, e))
+    s.map(|s| serde_json::from_str(&s))
+        .transpose()
+        .map_err(|e| bad(what, e))
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
     serde_json::to_string(v).map_err(|e| StoreError::Other(e.to_string()))
 }
 
-type Raw = (ProcessRecord, String, Option<String>, Option<String>, Option<String>, String);
+type Raw = (
+    ProcessRecord,
+    String,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    String,
+);
 
 fn raw(r: &Row<'_>) -> rusqlite::Result<Raw> {
     let lease = match (r.get::<_, Option<String>>(5)?, r.get::<_, Option<i64>>(6)?) {
         (Some(id), Some(token)) => Some(TokenRef { id, token }),
         _ => None,
     };
-    let logs = match (r.get::<_, Option<String>>(12)?, r.get::<_, Option<String>>(13)?) {
+    let logs = match (
+        r.get::<_, Option<String>>(12)?,
+        r.get::<_, Option<String>>(13)?,
+    ) {
         (Some(stdout), Some(stderr)) => Some(Logs { stdout, stderr }),
         _ => None,
     };
@@ -51,7 +65,10 @@ fn raw(r: &Row<'_>) -> rusqlite::Result<Raw> {
         spawned: r.get(10)?,
         command: None,
         logs,
-        exit: Exit { code: r.get(14)?, signal: r.get(15)? },
+        exit: Exit {
+            code: r.get(14)?,
+            signal: r.get(15)?,
+        },
         ttl_ms: r.get(16)?,
         expires_at: r.get(17)?,
         created_at: r.get(18)?,
@@ -72,14 +89,23 @@ fn finish((mut rec, state, identity, owner, command, metadata): Raw) -> Result<P
     Ok(rec)
 }
 
-fn processes(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<Vec<ProcessRecord>> {
+fn processes(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> Result<Vec<ProcessRecord>> {
     let mut stmt = conn.prepare_cached(sql).map_err(map_err)?;
     let rows = stmt.query_map(params, raw).map_err(map_err)?;
     rows.map(|r| r.map_err(map_err).and_then(finish)).collect()
 }
 
 pub fn process(conn: &Connection, id: &str) -> Result<Option<ProcessRecord>> {
-    Ok(processes(conn, &format!("SELECT {COLS} FROM processes WHERE id = ?1"), [id])?.pop())
+    Ok(processes(
+        conn,
+        &format!("SELECT {COLS} FROM processes WHERE id = ?1"),
+        [id],
+    )?
+    .pop())
 }
 
 pub fn process_by_operation(conn: &Connection, op: &str) -> Result<Option<ProcessRecord>> {
@@ -103,10 +129,18 @@ pub fn insert_process(conn: &Connection, p: &ProcessRecord) -> Result<()> {
                 p.lease.as_ref().map(|l| l.id.as_str()),
                 p.lease.as_ref().map(|l| l.token),
                 p.host_id,
-                p.identity.as_ref().map(to_json).transpose().map_err(to_sql)?,
+                p.identity
+                    .as_ref()
+                    .map(to_json)
+                    .transpose()
+                    .map_err(to_sql)?,
                 p.owner.as_ref().map(to_json).transpose().map_err(to_sql)?,
                 p.spawned,
-                p.command.as_ref().map(to_json).transpose().map_err(to_sql)?,
+                p.command
+                    .as_ref()
+                    .map(to_json)
+                    .transpose()
+                    .map_err(to_sql)?,
                 p.logs.as_ref().map(|l| l.stdout.as_str()),
                 p.logs.as_ref().map(|l| l.stderr.as_str()),
                 p.exit.code,
@@ -153,7 +187,10 @@ pub fn update_process(conn: &Connection, p: &ProcessRecord) -> Result<()> {
         })
         .map_err(map_err)?;
     if n != 1 {
-        return Err(StoreError::Other(format!("process {} vanished during update", p.id)));
+        return Err(StoreError::Other(format!(
+            "process {} vanished during update",
+            p.id
+        )));
     }
     Ok(())
 }
@@ -195,11 +232,20 @@ pub fn count_current_processes(conn: &Connection) -> Result<i64> {
 
 fn port_row(r: &Row<'_>) -> rusqlite::Result<PortRecord> {
     let kind: String = r.get(4)?;
-    let target = TokenRef { id: r.get(5)?, token: r.get(6)? };
+    let target = TokenRef {
+        id: r.get(5)?,
+        token: r.get(6)?,
+    };
     let owner = if kind == "process" {
-        PortOwner { process: Some(target), lease: None }
+        PortOwner {
+            process: Some(target),
+            lease: None,
+        }
     } else {
-        PortOwner { process: None, lease: Some(target) }
+        PortOwner {
+            process: None,
+            lease: Some(target),
+        }
     };
     Ok(PortRecord {
         id: r.get(0)?,
@@ -227,13 +273,19 @@ pub fn held_ports(conn: &Connection, host_id: &str) -> Result<Vec<u16>> {
 }
 
 pub fn current_port(conn: &Connection, host_id: &str, port: u16) -> Result<Option<PortRecord>> {
-    let sql = format!("SELECT {PORT_COLS} FROM ports WHERE host_id = ?1 AND port = ?2 AND released_at IS NULL");
+    let sql = format!(
+        "SELECT {PORT_COLS} FROM ports WHERE host_id = ?1 AND port = ?2 AND released_at IS NULL"
+    );
     Ok(ports(conn, &sql, params![host_id, port])?.pop())
 }
 
 pub fn insert_port(conn: &Connection, p: &PortRecord) -> Result<()> {
-    let target = p.owner.target().ok_or_else(|| StoreError::Other("a port without an owner".into()))?;
-    let sql = format!("INSERT INTO ports ({PORT_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)");
+    let target = p
+        .owner
+        .target()
+        .ok_or_else(|| StoreError::Other("a port without an owner".into()))?;
+    let sql =
+        format!("INSERT INTO ports ({PORT_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)");
     conn.prepare_cached(&sql)
         .and_then(|mut s| {
             s.execute(params![
@@ -253,7 +305,9 @@ pub fn insert_port(conn: &Connection, p: &PortRecord) -> Result<()> {
 }
 
 pub fn ports_of(conn: &Connection, owner_id: &str) -> Result<Vec<PortRecord>> {
-    let sql = format!("SELECT {PORT_COLS} FROM ports WHERE owner_id = ?1 AND released_at IS NULL ORDER BY name");
+    let sql = format!(
+        "SELECT {PORT_COLS} FROM ports WHERE owner_id = ?1 AND released_at IS NULL ORDER BY name"
+    );
     ports(conn, &sql, [owner_id])
 }
 
@@ -264,7 +318,12 @@ pub fn release_port(conn: &Connection, id: &str, at: Millis) -> Result<()> {
     Ok(())
 }
 
-pub fn list_ports(conn: &Connection, host_id: Option<&str>, after_port: u16, limit: u32) -> Result<Vec<PortRecord>> {
+pub fn list_ports(
+    conn: &Connection,
+    host_id: Option<&str>,
+    after_port: u16,
+    limit: u32,
+) -> Result<Vec<PortRecord>> {
     let sql = format!(
         "SELECT {PORT_COLS} FROM ports WHERE released_at IS NULL AND (?1 IS NULL OR host_id = ?1) \
          AND port > ?2 ORDER BY port, host_id LIMIT ?3"

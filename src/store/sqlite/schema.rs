@@ -7,8 +7,14 @@ use crate::store::{Result, StoreError};
 
 /// (version, SQL), in order. Every file in migrations/sqlite is listed here.
 pub const MIGRATIONS: &[(i64, &str)] = &[
-    (1, include_str!("../../../migrations/sqlite/0001_leases.sql")),
-    (2, include_str!("../../../migrations/sqlite/0002_processes_ports.sql")),
+    (
+        1,
+        include_str!("../../../migrations/sqlite/0001_leases.sql"),
+    ),
+    (
+        2,
+        include_str!("../../../migrations/sqlite/0002_processes_ports.sql"),
+    ),
 ];
 
 /// Bring the schema up to date, in one transaction per migration. Refuses a

@@ -328,7 +328,10 @@ impl Tx for WriterTx<'_> {
         ready(procs::process(&*self.conn, id))
     }
 
-    fn process_by_operation<'a>(&'a mut self, op: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
+    fn process_by_operation<'a>(
+        &'a mut self,
+        op: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
         ready(procs::process_by_operation(&*self.conn, op))
     }
 
@@ -344,7 +347,11 @@ impl Tx for WriterTx<'_> {
         ready(procs::held_ports(&*self.conn, host_id))
     }
 
-    fn current_port<'a>(&'a mut self, host_id: &'a str, port: u16) -> BoxFuture<'a, Result<Option<PortRecord>>> {
+    fn current_port<'a>(
+        &'a mut self,
+        host_id: &'a str,
+        port: u16,
+    ) -> BoxFuture<'a, Result<Option<PortRecord>>> {
         ready(procs::current_port(&*self.conn, host_id, port))
     }
 
