@@ -86,17 +86,17 @@ fn map_io(pid: i32, e: std::io::Error) -> ObserveError {
 
 /// The fields of `/proc/<pid>/stat` that identify a process.
 #[derive(Debug, PartialEq, Eq)]
-struct Stat {
-    zombie: bool,
-    pgid: i32,
-    sid: i32,
-    start_time: String,
+pub(crate) struct Stat {
+    pub zombie: bool,
+    pub pgid: i32,
+    pub sid: i32,
+    pub start_time: String,
 }
 
 impl Stat {
     /// Fields are counted after the last `)`, since the command name in
     /// field 2 may itself contain spaces and parentheses.
-    fn parse(text: &str) -> Option<Self> {
+    pub(crate) fn parse(text: &str) -> Option<Self> {
         let rest = &text[text.rfind(')')? + 1..];
         let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
         // fields[0] is field 3 (state); field N is fields[N - 3].

@@ -2,7 +2,7 @@
 //! Behind the `Host` trait so that tests can stage reused pids, reboots,
 //! remote owners and unreadable processes.
 
-mod identity;
+pub(crate) mod identity;
 mod judge;
 pub mod signal;
 pub mod spawn;

@@ -6,6 +6,7 @@ use std::os::fd::OwnedFd;
 
 use rustix::process::{Pid, PidfdFlags, Signal, pidfd_open, pidfd_send_signal};
 
+use super::identity::Stat;
 use super::{Host, ObserveError};
 use crate::model::Identity;
 
@@ -79,9 +80,29 @@ pub fn signal_group(pgid: i32, sig: Sig) -> std::io::Result<()> {
     rustix::process::kill_process_group(pid, sig.raw()).map_err(Into::into)
 }
 
-/// Whether any process is left in group `pgid`.
+/// Whether any process other than a zombie is left in group `pgid`.
+/// Zombies count as gone: they run nothing, and whoever inherited them
+/// (perhaps an init that never reaps) decides when they disappear.
 pub fn group_alive(pgid: i32) -> bool {
-    Pid::from_raw(pgid).is_some_and(|p| rustix::process::test_kill_process_group(p).is_ok())
+    let exists =
+        Pid::from_raw(pgid).is_some_and(|p| rustix::process::test_kill_process_group(p).is_ok());
+    exists && live_member(pgid)
+}
+
+fn live_member(pgid: i32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    dir.flatten().any(|entry| {
+        let name = entry.file_name();
+        if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            return false;
+        }
+        let Ok(text) = std::fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        Stat::parse(&text).is_some_and(|st| !st.zombie && st.pgid == pgid)
+    })
 }
 
 /// The server's own pid, process group and session, which it never signals.

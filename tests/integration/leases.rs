@@ -92,7 +92,7 @@ async fn ownerless_lease_past_its_ttl_is_expired_by_the_next_mutation() {
     let path = format!("/v1/leases/{id}");
     // Still `active` in the store until someone touches it; wait for the TTL.
     s.eventually(&path, Duration::from_secs(5), |l| {
-        l["expires_at"].as_str() < Some(chrono_now().as_str())
+        l["expires_at"].as_str() < Some(now_text().as_str())
     })
     .await;
     let renew = s.lease_op(id, "renew", json!({"token": 1})).await;
@@ -357,7 +357,7 @@ async fn list_filters_and_pages_newest_first() {
     }
 }
 
-fn chrono_now() -> String {
+pub fn now_text() -> String {
     // RFC 3339 with millis, comparable as a string with the server's times.
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -3,7 +3,9 @@
 mod disk_full;
 mod errors;
 mod leases;
+mod orphans;
 mod owners;
+mod ports;
 mod processes;
 mod races;
 mod restart;

@@ -1,0 +1,163 @@
+//! Processes whose owner went away are claimed and stopped; after a
+//! restart, running processes are found again and watched.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::{Proc, Server, alive};
+
+fn id(v: &serde_json::Value) -> String {
+    v["id"].as_str().expect("id").to_owned()
+}
+
+#[tokio::test]
+async fn a_process_is_stopped_when_its_lease_holder_dies() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "100"]).await;
+    let mut holder = Proc::sleep();
+    let lease = s
+        .acquire(
+            json!({"resource": "ws/orphan", "holder": "runner", "owner": {"pid": holder.pid()}}),
+        )
+        .await
+        .body;
+    let lease_ref = json!({"id": lease["id"], "token": lease["token"]});
+    let p = s.spawn(json!({"kind": "dev", "lease": lease_ref, "command": {"argv": ["sleep", "600"]}, "ports": ["http"]})).await;
+    let pid = p["pid"].as_i64().expect("pid");
+    assert_eq!(p["lease"], lease_ref);
+
+    holder.kill_and_reap().await;
+    let path = format!("/v1/processes/{}", id(&p));
+    let done = s
+        .eventually(&path, Duration::from_secs(10), |v| v["state"] == "stopped")
+        .await;
+    assert_eq!(done["end_reason"], "orphan_reconciled");
+    assert_eq!(done["token"], 2, "claiming fenced the old token");
+    assert_eq!(done["ports"], json!({}));
+    assert!(!alive(pid));
+    let stale = s
+        .process_op(&id(&p), "heartbeat", json!({"token": 1}))
+        .await;
+    assert_eq!(stale.code(), "fenced");
+
+    let kinds: Vec<String> = s
+        .all_events()
+        .await
+        .iter()
+        .map(|e| e["type"].as_str().unwrap_or("").to_owned())
+        .collect();
+    let tail: Vec<&str> = kinds
+        .iter()
+        .map(String::as_str)
+        .skip_while(|k| *k != "lease.reclaimed")
+        .collect();
+    assert_eq!(
+        tail,
+        [
+            "lease.reclaimed",
+            "process.orphaned",
+            "port.released",
+            "process.stopped"
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_process_with_a_live_owner_is_never_claimed() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "50"]).await;
+    let owner = Proc::sleep();
+    let p = s.spawn(json!({"kind": "dev", "ttl_ms": 1000, "owner": {"pid": owner.pid()}, "command": {"argv": ["sleep", "600"]}})).await;
+    let path = format!("/v1/processes/{}", id(&p));
+    // Well past the TTL, many passes later.
+    let expired = s
+        .eventually(&path, Duration::from_secs(5), |v| {
+            v["expires_at"].as_str() < Some(crate::leases::now_text().as_str())
+        })
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let now = s.process(&id(&p)).await;
+    assert_eq!(now["state"], "running", "{now}");
+    assert_eq!(now["token"], expired["token"]);
+}
+
+#[tokio::test]
+async fn a_process_whose_heartbeats_stop_is_claimed() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "50"]).await;
+    let p = s
+        .spawn(json!({"kind": "dev", "ttl_ms": 1000, "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    let pid = p["pid"].as_i64().expect("pid");
+    let path = format!("/v1/processes/{}", id(&p));
+    let done = s
+        .eventually(&path, Duration::from_secs(10), |v| v["state"] == "stopped")
+        .await;
+    assert_eq!(done["end_reason"], "orphan_reconciled");
+    assert!(!alive(pid));
+}
+
+#[tokio::test]
+async fn after_a_restart_running_processes_are_watched_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_in(dir.path(), &[]).await;
+    let a = s
+        .spawn(json!({"kind": "dev", "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    let b = s
+        .spawn(json!({"kind": "dev", "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    s.kill9().await;
+
+    let s = Server::start_in(dir.path(), &[]).await;
+    let a_now = s.process(&id(&a)).await;
+    assert_eq!(
+        (a_now["state"].as_str(), a_now["status"].as_str()),
+        (Some("running"), Some("live"))
+    );
+    let a_pid = a["pid"].as_i64().expect("pid");
+    std::process::Command::new("kill")
+        .args(["-9", &a_pid.to_string()])
+        .status()
+        .expect("kill");
+    let path = format!("/v1/processes/{}", id(&a));
+    let ended = s
+        .eventually(&path, Duration::from_secs(5), |v| v["state"] == "exited")
+        .await;
+    assert_eq!(
+        ended["exit"]["code"],
+        json!(null),
+        "not our child any more: the code is unknown"
+    );
+
+    let stop = s
+        .process_op(&id(&b), "stop", json!({"token": 1, "grace_ms": 2000}))
+        .await;
+    assert_eq!(stop.status, StatusCode::OK, "{}", stop.body);
+    assert_eq!(stop.body["state"], "stopped");
+    assert!(!alive(b["pid"].as_i64().expect("pid")));
+}
+
+#[tokio::test]
+async fn another_hosts_process_is_never_signalled() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_in(dir.path(), &["--host-id", "host-a"]).await;
+    let p = s
+        .spawn(json!({"kind": "dev", "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    let pid = p["pid"].as_i64().expect("pid");
+    s.kill9().await;
+
+    let s = Server::start_in(dir.path(), &["--host-id", "host-b"]).await;
+    let seen = s.process(&id(&p)).await;
+    assert_eq!(seen["status"], "remote");
+    let r = s.process_op(&id(&p), "stop", json!({"token": 1})).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::CONFLICT, "remote_process")
+    );
+    assert!(alive(pid));
+    std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill");
+}

@@ -1,0 +1,130 @@
+//! Port reservations: no two current reservations share a port.
+
+use std::collections::HashSet;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::support::Server;
+
+#[tokio::test]
+async fn concurrent_reservations_never_share_a_port() {
+    let s = Server::start().await;
+    let lease = s.acquire_ok("ports/race", "h").await;
+    let owner = json!({"lease": {"id": lease["id"], "token": lease["token"]}});
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let (client, url, owner) = (s.client.clone(), s.url("/v1/ports"), owner.clone());
+            tokio::spawn(async move {
+                let r = client
+                    .post(url)
+                    .json(&json!({"names": [format!("p{i}"), "other"], "owner": owner, "range": [30000, 30200]}))
+                    .send()
+                    .await
+                    .expect("reserve");
+                assert_eq!(r.status(), StatusCode::CREATED);
+                r.json::<Value>().await.expect("json")
+            })
+        })
+        .collect();
+    let mut seen = HashSet::new();
+    for t in tasks {
+        let body = t.await.expect("task");
+        for r in body["reservations"].as_array().expect("reservations") {
+            let port = r["port"].as_u64().expect("port");
+            assert!((30000..=30200).contains(&port));
+            assert!(seen.insert(port), "port {port} reserved twice");
+        }
+    }
+    assert_eq!(seen.len(), 64);
+    let listed = s.get("/v1/ports?limit=1000").await.body;
+    assert_eq!(listed["items"].as_array().map(Vec::len), Some(64));
+
+    // They end with their owner, in the same transaction.
+    s.lease_op(
+        lease["id"].as_str().expect("id"),
+        "release",
+        json!({"token": 1}),
+    )
+    .await;
+    assert_eq!(s.get("/v1/ports").await.body["items"], json!([]));
+}
+
+#[tokio::test]
+async fn release_needs_the_owners_token_and_a_full_range_is_exhausted() {
+    let s = Server::start().await;
+    let lease = s.acquire_ok("ports/one", "h").await;
+    let owner = json!({"lease": {"id": lease["id"], "token": 1}});
+    let r = s
+        .post(
+            "/v1/ports",
+            json!({"names": ["http"], "owner": owner, "range": [31000, 31000]}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(r.body["ports"], json!({"http": 31000}));
+    let again = s
+        .post(
+            "/v1/ports",
+            json!({"names": ["web"], "owner": owner, "range": [31000, 31000]}),
+        )
+        .await;
+    assert_eq!(
+        (again.status, again.code()),
+        (StatusCode::CONFLICT, "ports_exhausted")
+    );
+
+    // A port someone else has bound is not handed out either.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let busy = listener.local_addr().expect("addr").port();
+    let taken = s
+        .post(
+            "/v1/ports",
+            json!({"names": ["x"], "owner": owner, "range": [busy, busy]}),
+        )
+        .await;
+    assert_eq!(taken.code(), "ports_exhausted");
+
+    let wrong = s.post("/v1/ports/31000/release", json!({"token": 2})).await;
+    assert_eq!(
+        (wrong.status, wrong.code()),
+        (StatusCode::CONFLICT, "fenced")
+    );
+    let ok = s.post("/v1/ports/31000/release", json!({"token": 1})).await;
+    assert_eq!(ok.status, StatusCode::OK, "{}", ok.body);
+    assert!(ok.body["released_at"].is_string());
+    let gone = s.post("/v1/ports/31000/release", json!({"token": 1})).await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND);
+
+    let stale = s
+        .post(
+            "/v1/ports",
+            json!({"names": ["a"], "owner": {"lease": {"id": lease["id"], "token": 7}}}),
+        )
+        .await;
+    assert_eq!(stale.code(), "fenced");
+    for (body, field) in [
+        (json!({"names": [], "owner": owner}), "names"),
+        (json!({"names": ["Bad"], "owner": owner}), "names.0"),
+        (json!({"names": ["a"], "owner": {}}), "owner"),
+        (
+            json!({"names": ["a"], "owner": owner, "range": [80, 90]}),
+            "range",
+        ),
+        (
+            json!({"names": ["a"], "owner": owner, "range": [3000, 2000]}),
+            "range",
+        ),
+    ] {
+        let r = s.post("/v1/ports", body.clone()).await;
+        assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert_eq!(r.body["field"], field, "{body}: {}", r.body);
+    }
+    let kinds: Vec<_> = s
+        .all_events()
+        .await
+        .iter()
+        .map(|e| e["type"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(kinds, ["lease.acquired", "port.reserved", "port.released"]);
+}
