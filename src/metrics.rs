@@ -37,6 +37,7 @@ type Histo = Family<Route, Histogram, fn() -> Histogram>;
 pub struct Metrics {
     registry: Registry,
     current_leases: Gauge,
+    current_processes: Gauge,
     acquisitions: Counter,
     takeovers: Family<Reason, Counter>,
     conflicts: Family<Code, Counter>,
@@ -54,6 +55,7 @@ impl Default for Metrics {
         let mut registry = Registry::with_prefix("holdfast");
         let m = Self {
             current_leases: Gauge::default(),
+            current_processes: Gauge::default(),
             acquisitions: Counter::default(),
             takeovers: Family::default(),
             conflicts: Family::default(),
@@ -65,6 +67,11 @@ impl Default for Metrics {
             "leases_current",
             "Current (reserved or active) leases",
             m.current_leases.clone(),
+        );
+        registry.register(
+            "processes_current",
+            "Current (starting, running, stopping or orphaned) processes",
+            m.current_processes.clone(),
         );
         registry.register(
             "lease_acquisitions",
@@ -146,9 +153,10 @@ impl Metrics {
             .inc();
     }
 
-    /// The text exposition, with `current_leases` as counted just now.
-    pub fn render(&self, current_leases: i64) -> String {
+    /// The text exposition, with the current counts as counted just now.
+    pub fn render(&self, current_leases: i64, current_processes: i64) -> String {
         self.current_leases.set(current_leases);
+        self.current_processes.set(current_processes);
         let mut out = String::new();
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);

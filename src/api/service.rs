@@ -51,13 +51,14 @@ async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, ApiError>
     responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
 )]
 async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
-    let current = state.store.backend().count_current_leases().await?;
+    let leases = state.store.backend().count_current_leases().await?;
+    let processes = state.store.backend().count_current_processes().await?;
     Ok((
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state.metrics.render(current),
+        state.metrics.render(leases, processes),
     ))
 }
 

@@ -359,6 +359,10 @@ impl Processes {
             .current_processes(&self.host_id())
             .await?
         {
+            if rec.state == ProcessState::Stopping {
+                let id = rec.id.clone();
+                run!(self, true, |tx, _cx| ops::resume(tx, &id))?;
+            }
             if rec.identity.is_some()
                 && matches!(rec.state, ProcessState::Running | ProcessState::Stopping)
             {
