@@ -2,14 +2,56 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Args;
 
 #[derive(Debug, Clone, Args)]
 pub struct Config {
-    /// Address and port of the HTTP listener.
-    #[arg(long, env = "HOLDFAST_LISTEN", default_value = "127.0.0.1:7427")]
-    pub listen: SocketAddr,
+    /// Address and port of the HTTP listener, or `none` for the Unix socket alone.
+    #[arg(long, env = "HOLDFAST_LISTEN", default_value = "127.0.0.1:7427", value_parser = parse_listen)]
+    pub listen: Listen,
+
+    /// Also (or only) serve on this Unix socket; callers are identified by their peer credentials.
+    #[arg(long, env = "HOLDFAST_UNIX_SOCKET")]
+    pub unix_socket: Option<PathBuf>,
+
+    /// Octal permission bits of the Unix socket.
+    #[arg(long, env = "HOLDFAST_UNIX_SOCKET_MODE", default_value = "0660", value_parser = parse_mode)]
+    pub unix_socket_mode: u32,
+
+    /// File holding the bearer token every /v1 call and /metrics must carry.
+    #[arg(long, env = "HOLDFAST_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
+
+    /// File holding the admin token (may `break` leases and act on processes of any uid).
+    #[arg(long, env = "HOLDFAST_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+
+    /// The bearer token itself (prefer the file: environments leak).
+    #[arg(long, env = "HOLDFAST_AUTH_TOKEN", hide_env_values = true, hide = true)]
+    pub auth_token: Option<String>,
+
+    /// The admin token itself (prefer the file).
+    #[arg(
+        long,
+        env = "HOLDFAST_ADMIN_TOKEN",
+        hide_env_values = true,
+        hide = true
+    )]
+    pub admin_token: Option<String>,
+
+    /// Host names accepted in `Host` and `Origin` besides localhost, 127.0.0.1 and [::1].
+    #[arg(
+        long = "allowed-host",
+        env = "HOLDFAST_ALLOWED_HOSTS",
+        value_delimiter = ','
+    )]
+    pub allowed_hosts: Vec<String>,
+
+    /// Events kept: a count (`100000`) or an age (`30m`, `12h`, `7d`).
+    #[arg(long, env = "HOLDFAST_EVENT_RETENTION", default_value = "1000000", value_parser = parse_retention)]
+    pub event_retention: Retention,
 
     /// Directory for the SQLite database (and, later, process logs).
     /// Default: $XDG_STATE_HOME/holdfast, else ~/.local/state/holdfast.
@@ -30,6 +72,91 @@ pub struct Config {
     pub host_id: Option<String>,
 }
 
+/// The TCP listener, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listen {
+    Tcp(SocketAddr),
+    None,
+}
+
+fn parse_listen(s: &str) -> Result<Listen, String> {
+    if s.eq_ignore_ascii_case("none") {
+        return Ok(Listen::None);
+    }
+    s.parse()
+        .map(Listen::Tcp)
+        .map_err(|e| format!("{s:?} is not ADDR:PORT or none: {e}"))
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not an octal mode like 0660"))
+}
+
+/// How many events are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    Count(u64),
+    Age(Duration),
+}
+
+fn parse_retention(s: &str) -> Result<Retention, String> {
+    let bad = || format!("{s:?} is not a count (100000) or an age (30m, 12h, 7d)");
+    if let Ok(n) = s.parse::<u64>() {
+        return if n > 0 {
+            Ok(Retention::Count(n))
+        } else {
+            Err(bad())
+        };
+    }
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?);
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(bad()),
+    };
+    match n.checked_mul(secs) {
+        Some(total) if total > 0 => Ok(Retention::Age(Duration::from_secs(total))),
+        _ => Err(bad()),
+    }
+}
+
+/// The bearer tokens, read from their files or the environment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tokens {
+    pub auth: Option<String>,
+    pub admin: Option<String>,
+}
+
+impl Tokens {
+    pub fn any(&self) -> bool {
+        self.auth.is_some() || self.admin.is_some()
+    }
+}
+
+fn token(
+    file: Option<&PathBuf>,
+    value: Option<&String>,
+    what: &str,
+) -> Result<Option<String>, String> {
+    let raw = match (file, value) {
+        (Some(path), _) => std::fs::read_to_string(path)
+            .map_err(|e| format!("reading the {what} file {}: {e}", path.display()))?,
+        (None, Some(v)) => v.clone(),
+        (None, None) => return Ok(None),
+    };
+    let t = raw.trim().to_owned();
+    if t.is_empty() {
+        return Err(format!("the {what} is empty"));
+    }
+    Ok(Some(t))
+}
+
 /// Where the store lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Database {
@@ -37,6 +164,39 @@ pub enum Database {
 }
 
 impl Config {
+    pub fn tokens(&self) -> Result<Tokens, String> {
+        Ok(Tokens {
+            auth: token(
+                self.auth_token_file.as_ref(),
+                self.auth_token.as_ref(),
+                "auth token",
+            )?,
+            admin: token(
+                self.admin_token_file.as_ref(),
+                self.admin_token.as_ref(),
+                "admin token",
+            )?,
+        })
+    }
+
+    /// Refuse what would expose the API unprotected.
+    pub fn check_exposure(&self, tokens: &Tokens) -> Result<(), String> {
+        if let Listen::Tcp(addr) = self.listen
+            && !addr.ip().is_loopback()
+            && !tokens.any()
+        {
+            return Err(format!(
+                "refusing to listen on {addr} without an auth token: anyone who can reach it could \
+                 signal processes on this host. Set --auth-token-file (or HOLDFAST_AUTH_TOKEN), \
+                 or listen on a loopback address"
+            ));
+        }
+        if self.listen == Listen::None && self.unix_socket.is_none() {
+            return Err("--listen none needs --unix-socket".into());
+        }
+        Ok(())
+    }
+
     pub fn data_dir(&self) -> PathBuf {
         if let Some(dir) = &self.data_dir {
             return dir.clone();
@@ -96,6 +256,47 @@ mod tests {
         assert_eq!(c.database(), Ok(Database::Sqlite("/tmp/x.db".into())));
         let c = parse(&["--database", "mysql://x"]);
         assert!(c.database().is_err());
+    }
+
+    #[test]
+    fn retention_forms() {
+        assert_eq!(parse_retention("100"), Ok(Retention::Count(100)));
+        assert_eq!(
+            parse_retention("30m"),
+            Ok(Retention::Age(Duration::from_secs(1800)))
+        );
+        assert_eq!(
+            parse_retention("7d"),
+            Ok(Retention::Age(Duration::from_secs(604_800)))
+        );
+        for bad in ["0", "x", "5w", "m", "0h", ""] {
+            assert!(parse_retention(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn non_loopback_without_a_token_is_refused() {
+        let c = parse(&["--listen", "0.0.0.0:7427"]);
+        let err = c.check_exposure(&Tokens::default()).expect_err("refused");
+        assert!(err.contains("auth token"), "{err}");
+        let with = Tokens {
+            auth: Some("t".into()),
+            admin: None,
+        };
+        assert!(c.check_exposure(&with).is_ok());
+        assert!(
+            parse(&[]).check_exposure(&Tokens::default()).is_ok(),
+            "loopback is fine"
+        );
+        assert!(
+            parse(&["--listen", "none"])
+                .check_exposure(&Tokens::default())
+                .is_err()
+        );
+        assert_eq!(
+            parse(&["--unix-socket-mode", "0600"]).unix_socket_mode,
+            0o600
+        );
     }
 
     #[test]

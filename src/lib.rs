@@ -4,6 +4,7 @@
 //! server and the reconciler until a shutdown signal.
 
 pub mod api;
+pub mod caller;
 pub mod config;
 pub mod events;
 pub mod host;
@@ -24,7 +25,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use config::{Config, Database};
+use config::{Config, Database, Listen};
 use host::{Host, LocalFacts, ProcHost};
 use store::{Store, sqlite::SqliteStore};
 use waiters::Hub;
@@ -59,6 +60,26 @@ impl App {
                 "holdfast needs Linux (/proc, pidfd, process groups)".into(),
             ));
         }
+        let tokens = config.tokens().map_err(StartError::Config)?;
+        config.check_exposure(&tokens).map_err(StartError::Config)?;
+        let tcp_loopback = match config.listen {
+            Listen::Tcp(addr) => {
+                if !tokens.any() && rustix::process::geteuid().is_root() {
+                    tracing::warn!(
+                        %addr,
+                        "running as root with a TCP listener and no token: any local user can act as root \
+                         through this API. Set --auth-token-file, or use --unix-socket and --listen none"
+                    );
+                }
+                addr.ip().is_loopback()
+            }
+            Listen::None => false,
+        };
+        let access = Arc::new(api::auth::Access {
+            tokens,
+            allowed_hosts: config.allowed_hosts.clone(),
+            tcp_loopback,
+        });
         let facts = LocalFacts::read(config.host_id.clone()).map_err(StartError::Host)?;
         let host: Arc<dyn Host> = Arc::new(ProcHost::new(facts.clone()));
         let Database::Sqlite(path) = config.database().map_err(StartError::Config)?;
@@ -95,6 +116,7 @@ impl App {
             hub,
             metrics,
             openapi: Arc::new(api::openapi_json()),
+            access,
         };
         Ok(Self { state, config })
     }
@@ -103,11 +125,25 @@ impl App {
         api::router(self.state.clone())
     }
 
-    /// Serve on `listener` until `shutdown` resolves, with the reconciler
+    /// Bind the listeners the configuration asks for. A stale Unix socket
+    /// file from an earlier run is replaced; the new one gets the configured mode.
+    pub async fn bind(&self) -> Result<Listeners, StartError> {
+        let tcp = match self.config.listen {
+            Listen::Tcp(addr) => Some(TcpListener::bind(addr).await?),
+            Listen::None => None,
+        };
+        let unix = match &self.config.unix_socket {
+            Some(path) => Some(bind_unix(path, self.config.unix_socket_mode)?),
+            None => None,
+        };
+        Ok(Listeners { tcp, unix })
+    }
+
+    /// Serve on the listeners until `shutdown` resolves, with the reconciler
     /// running beside; then close the store.
     pub async fn serve(
         self,
-        listener: TcpListener,
+        listeners: Listeners,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), StartError> {
         let (stop_tx, stop_rx) = watch::channel(false);
@@ -121,15 +157,57 @@ impl App {
                 hub: self.state.hub.clone(),
             },
             interval,
-            stop_rx,
+            stop_rx.clone(),
         ));
         let router = self.router();
-        let served = axum::serve(listener, router)
-            .with_graceful_shutdown(shutdown)
-            .await;
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        };
+        let mut servers = tokio::task::JoinSet::new();
+        if let Some(tcp) = listeners.tcp {
+            let app = router
+                .clone()
+                .into_make_service_with_connect_info::<api::auth::Peer>();
+            let done = stopped(stop_rx.clone());
+            servers.spawn(async move { axum::serve(tcp, app).with_graceful_shutdown(done).await });
+        }
+        if let Some(unix) = listeners.unix {
+            let app = router.into_make_service_with_connect_info::<api::auth::Peer>();
+            let done = stopped(stop_rx.clone());
+            servers.spawn(async move { axum::serve(unix, app).with_graceful_shutdown(done).await });
+        }
+        let mut first_error = None;
+        tokio::select! {
+            () = shutdown => {}
+            Some(res) = servers.join_next() => first_error = res.ok().and_then(Result::err),
+        }
         let _ = stop_tx.send(true);
+        while let Some(res) = servers.join_next().await {
+            if let Ok(Err(e)) = res {
+                first_error.get_or_insert(e);
+            }
+        }
         let _ = reconciler.await;
         self.state.store.backend().close().await;
-        served.map_err(StartError::Io)
+        if let Some(path) = &self.config.unix_socket {
+            let _ = std::fs::remove_file(path);
+        }
+        first_error.map_or(Ok(()), |e| Err(StartError::Io(e)))
     }
+}
+
+/// The sockets a server answers on.
+pub struct Listeners {
+    pub tcp: Option<TcpListener>,
+    pub unix: Option<tokio::net::UnixListener>,
+}
+
+fn bind_unix(path: &std::path::Path, mode: u32) -> Result<tokio::net::UnixListener, StartError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+        std::fs::remove_file(path)?;
+    }
+    let listener = tokio::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(listener)
 }

@@ -18,7 +18,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the service.
-    Serve(Config),
+    Serve(Box<Config>),
     /// Print the OpenAPI document.
     Openapi,
     /// Exit 0 only when the service answers /readyz with 200 (for container health checks).
@@ -42,7 +42,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Serve(config) => serve(config),
+        Command::Serve(config) => serve(*config),
     }
 }
 
@@ -66,11 +66,15 @@ fn serve(config: Config) -> ExitCode {
         }
     };
     let result = runtime.block_on(async move {
-        let listen = config.listen;
         let app = App::build(config).await?;
-        let listener = tokio::net::TcpListener::bind(listen).await?;
-        tracing::info!(addr = %listener.local_addr()?, "holdfast listening");
-        app.serve(listener, shutdown_signal()).await
+        let listeners = app.bind().await?;
+        if let Some(tcp) = &listeners.tcp {
+            tracing::info!(addr = %tcp.local_addr()?, "holdfast listening");
+        }
+        if let Some(path) = &app.config.unix_socket {
+            tracing::info!(path = %path.display(), "holdfast listening on a unix socket");
+        }
+        app.serve(listeners, shutdown_signal()).await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

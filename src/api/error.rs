@@ -51,6 +51,7 @@ pub struct Problem {
 #[derive(Debug)]
 pub enum ApiError {
     MalformedJson(String),
+    Unauthorized,
     Forbidden(String),
     NotFound(String),
     PayloadTooLarge,
@@ -269,6 +270,7 @@ impl IntoResponse for ApiError {
                 "Malformed JSON",
                 d,
             ),
+            Self::Unauthorized => return super::auth::unauthorized(),
             Self::Forbidden(d) => (StatusCode::FORBIDDEN, "forbidden", "Forbidden", d),
             Self::NotFound(d) => (StatusCode::NOT_FOUND, "not_found", "Not found", d),
             Self::PayloadTooLarge => (

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use serde::{Deserialize, Serialize};
@@ -13,6 +13,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
+use super::auth::{Caller, Peer};
 use super::error::{ApiError, Problem};
 use super::extract::{Body, Params};
 use super::owner::{OwnerSpec, resolve_owner};
@@ -155,6 +156,7 @@ fn view(state: &AppState, rec: crate::model::LeaseRecord) -> LeaseView {
 )]
 async fn acquire(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Body(req): Body<AcquireRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
     validate::text("resource", &req.resource, RESOURCE_MAX)?;
@@ -182,7 +184,7 @@ async fn acquire(
     let metadata = validate::metadata(req.metadata)?;
     let owner = req
         .owner
-        .map(|o| resolve_owner(state.leases.host(), o, "owner"))
+        .map(|o| resolve_owner(state.leases.host(), o, "owner", &caller))
         .transpose()?;
     let cmd = Acquire {
         resource: req.resource,
@@ -311,6 +313,7 @@ async fn renew(
 )]
 async fn activate(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     Body(req): Body<ActivateRequest>,
 ) -> Result<Json<LeaseView>, ApiError> {
@@ -318,7 +321,7 @@ async fn activate(
     validate::token("token", req.token)?;
     let owner = req
         .owner
-        .map(|o| resolve_owner(state.leases.host(), o, "owner"))
+        .map(|o| resolve_owner(state.leases.host(), o, "owner", &caller))
         .transpose()?;
     Ok(Json(state.leases.activate(id, req.token, owner).await?))
 }
@@ -360,12 +363,23 @@ async fn release(
 )]
 async fn break_lease(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     Body(req): Body<BreakRequest>,
 ) -> Result<Json<LeaseView>, ApiError> {
     let id = validate::id("lease", &id)?;
     validate::text("reason", &req.reason, NAME_MAX)?;
-    // Until tokens exist (see the auth issue), every caller counts as admin.
-    let by = "admin".to_owned();
+    if !caller.admin {
+        return Err(ApiError::Forbidden(
+            "only the admin token may break a lease".into(),
+        ));
+    }
+    let by = match caller.peer {
+        Peer::Unix { uid, pid, .. } => format!(
+            "admin (uid {uid}, pid {})",
+            pid.map_or("?".into(), |p| p.to_string())
+        ),
+        Peer::Tcp => "admin".to_owned(),
+    };
     Ok(Json(state.leases.break_lease(id, req.reason, by).await?))
 }

@@ -1,6 +1,7 @@
 //! HTTP only: routes, request and response types, problem errors. No SQL and
 //! no /proc here: handlers parse, call one function, and map the result.
 
+pub mod auth;
 pub mod error;
 mod events;
 pub mod extract;
@@ -39,6 +40,7 @@ pub struct AppState {
     pub hub: Arc<crate::waiters::Hub>,
     pub metrics: Arc<Metrics>,
     pub openapi: Arc<String>,
+    pub access: Arc<auth::Access>,
 }
 
 #[derive(OpenApi)]
@@ -86,6 +88,7 @@ pub fn router(state: AppState) -> Router {
     router
         .fallback(|| async { ApiError::NotFound("no such path".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(middleware::from_fn_with_state(state.clone(), auth::guard))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(CatchPanicLayer::custom(|_| {

@@ -3,6 +3,7 @@
 use serde::Deserialize;
 use utoipa::ToSchema;
 
+use super::auth::{Caller, Peer};
 use super::error::ApiError;
 use crate::host::{Host, ObserveError};
 use crate::model::Identity;
@@ -34,15 +35,25 @@ pub struct OwnerPid {
 }
 
 /// Read the identity of the process an `owner` member names, on this host.
-pub fn resolve_owner(host: &dyn Host, spec: OwnerSpec, field: &str) -> Result<Identity, ApiError> {
-    let p = match spec {
-        OwnerSpec::Caller(_) => {
+pub fn resolve_owner(
+    host: &dyn Host,
+    spec: OwnerSpec,
+    field: &str,
+    caller: &Caller,
+) -> Result<Identity, ApiError> {
+    let p = match (spec, caller.peer) {
+        // The kernel's word about the peer, read when it connected.
+        (OwnerSpec::Caller(_), Peer::Unix { pid: Some(pid), .. }) => OwnerPid {
+            pid: i64::from(pid),
+            start_time: None,
+        },
+        (OwnerSpec::Caller(_), _) => {
             return Err(ApiError::validation(
                 field,
                 "\"caller\" is only accepted over the Unix socket",
             ));
         }
-        OwnerSpec::Pid(p) => p,
+        (OwnerSpec::Pid(p), _) => p,
     };
     let pid_field = format!("{field}.pid");
     let pid = i32::try_from(p.pid)

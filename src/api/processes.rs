@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use serde::{Deserialize, Serialize};
@@ -13,6 +13,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
+use super::auth::Caller;
 use super::error::{ApiError, Problem};
 use super::extract::{Body, Params};
 use super::owner::{OwnerSpec, resolve_owner};
@@ -170,6 +171,7 @@ fn process_id(id: &str) -> Result<String, ApiError> {
 )]
 async fn create(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Body(req): Body<CreateProcessRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
     validate::text("kind", &req.kind, NAME_MAX)?;
@@ -205,7 +207,7 @@ async fn create(
     let metadata = validate::metadata(req.metadata)?;
     let owner = req
         .owner
-        .map(|o| resolve_owner(state.processes.host(), o, "owner"))
+        .map(|o| resolve_owner(state.processes.host(), o, "owner", &caller))
         .transpose()?;
     let create = CreateRequest {
         kind: req.kind,
@@ -219,7 +221,7 @@ async fn create(
     };
     let view = state
         .processes
-        .create(create, crate::ports::DEFAULT_RANGE)
+        .create(create, crate::ports::DEFAULT_RANGE, caller)
         .await?;
     let location = format!("/v1/processes/{}", view.id);
     Ok((
@@ -309,6 +311,7 @@ async fn list(
 )]
 async fn confirm(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     Body(req): Body<ConfirmRequest>,
 ) -> Result<Json<ProcessView>, ApiError> {
@@ -321,7 +324,7 @@ async fn confirm(
     Ok(Json(
         state
             .processes
-            .confirm(id, token, pid, req.process_group)
+            .confirm(id, token, pid, req.process_group, caller)
             .await?,
     ))
 }
@@ -366,6 +369,7 @@ async fn heartbeat(
 )]
 async fn stop(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     Body(req): Body<StopRequest>,
 ) -> Result<Json<ProcessView>, ApiError> {
@@ -386,7 +390,7 @@ async fn stop(
         force: req.force.unwrap_or(true),
         reason: req.reason.unwrap_or_else(|| "stopped".into()),
     };
-    Ok(Json(state.processes.stop(id, token, params).await?))
+    Ok(Json(state.processes.stop(id, token, params, caller).await?))
 }
 
 /// Report how a process the client ran itself ended.

@@ -24,6 +24,9 @@ pub struct SpawnSpec {
     pub env: BTreeMap<String, String>,
     pub stdout: PathBuf,
     pub stderr: PathBuf,
+    /// Run as this uid and gid (supplementary groups dropped), with
+    /// no_new_privs: for a non-root caller on the Unix socket.
+    pub run_as: Option<(u32, u32)>,
 }
 
 /// Find the program `argv0` as `execvp` would and check that the kernel can
@@ -83,6 +86,16 @@ fn runnable(program: &Path) -> Result<(), String> {
         "{} is neither an ELF binary nor a script with #!",
         program.display()
     ))
+}
+
+/// The child may never gain privileges (setuid binaries, file capabilities).
+#[allow(unsafe_code)]
+fn set_no_new_privs(cmd: &mut std::process::Command) {
+    // SAFETY: the closure runs in the child between fork and exec, and only
+    // makes one prctl system call, which is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| rustix::thread::set_no_new_privs(true).map_err(std::io::Error::from));
+    }
 }
 
 /// Children holdfast started and waits for; exits of others (inherited
@@ -164,6 +177,10 @@ impl Reaper {
         cmd.envs(&spec.env);
         if let Some(dir) = &spec.cwd {
             cmd.current_dir(dir);
+        }
+        if let Some((uid, gid)) = spec.run_as {
+            cmd.uid(uid).gid(gid);
+            set_no_new_privs(&mut cmd);
         }
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         // The Child handle is dropped without waiting: the reaper collects it.

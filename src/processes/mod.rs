@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use crate::caller::{Caller, Peer};
 use crate::host::Host;
 use crate::host::signal::{self, OwnIds, Verified};
 use crate::host::spawn::{Reaper, SpawnSpec, check_program};
@@ -118,6 +119,7 @@ impl Processes {
         self: &Arc<Self>,
         req: CreateRequest,
         port_range: RangeInclusive<u16>,
+        caller: Caller,
     ) -> Result<ProcessView, Error> {
         if let Some(cmd) = &req.command {
             let cwd = cmd.cwd.as_deref().map(Path::new);
@@ -180,6 +182,11 @@ impl Processes {
             env,
             stdout: PathBuf::from(logs.stdout),
             stderr: PathBuf::from(logs.stderr),
+            // Spawning for a caller never raises its privileges.
+            run_as: match caller.peer {
+                Peer::Unix { uid, gid, .. } if uid != 0 => Some((uid, gid)),
+                _ => None,
+            },
         };
         let host = self.host.clone();
         let spawned = self.reaper.spawn(&spec, |pid| host.observe_child(pid));
@@ -266,8 +273,8 @@ impl Processes {
         Ok(self.view(rec, ports.into_iter().map(|p| (p.name, p.port)).collect()))
     }
 
-    /// The identity of `pid`, if the server may act on it.
-    fn identity_for(&self, pid: i32) -> Result<Identity, Error> {
+    /// The identity of `pid`, if the server and `caller` may act on it.
+    fn identity_for(&self, pid: i32, caller: Caller) -> Result<Identity, Error> {
         let ident = self.host.observe(pid).map_err(|e| match e {
             crate::host::ObserveError::NotFound(_) => Error::ProcessNotFound(pid),
             other => Error::Unverifiable(other.to_string()),
@@ -275,6 +282,9 @@ impl Processes {
         if let Some(why) = self.own.refusal(&ident) {
             return Err(ProcError::Forbidden(why).into());
         }
+        caller
+            .may_act_on(ident.uid, self.own.uid)
+            .map_err(ProcError::Forbidden)?;
         Ok(ident)
     }
 
@@ -284,8 +294,9 @@ impl Processes {
         token: i64,
         pid: i32,
         process_group: bool,
+        caller: Caller,
     ) -> Result<ProcessView, Error> {
-        let mut ident = self.identity_for(pid)?;
+        let mut ident = self.identity_for(pid, caller)?;
         if process_group && ident.pgid != Some(pid) {
             return Err(Error::Invalid {
                 field: "process_group",
@@ -320,7 +331,17 @@ impl Processes {
         id: String,
         token: i64,
         params: StopParams,
+        caller: Caller,
     ) -> Result<ProcessView, Error> {
+        // A confirmed identity never changes, so checking it before the
+        // transaction is checking what will be signalled.
+        if let Some(rec) = self.store.backend().get_process(&id).await?
+            && let Some(ident) = &rec.identity
+        {
+            caller
+                .may_act_on(ident.uid, self.own.uid)
+                .map_err(ProcError::Forbidden)?;
+        }
         let (own, host_id) = (self.own, self.host_id());
         let sid = id.clone();
         let start = run!(self, true, |tx, cx| ops::begin_stop(

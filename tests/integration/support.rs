@@ -68,7 +68,7 @@ impl Server {
             let mut lines = BufReader::new(stderr).lines();
             let mut tx = Some(tx);
             while let Ok(Some(line)) = lines.next_line().await {
-                if let Some(addr) = line.split("addr=").nth(1)
+                if let Some(addr) = line.split("holdfast listening addr=").nth(1)
                     && let Some(tx) = tx.take()
                 {
                     let _ = tx.send(addr.trim().to_owned());
