@@ -165,7 +165,13 @@ pub async fn release(
     let Some(mut rec) = tx.current_port(host_id, port).await? else {
         return Ok(Err(PortError::NotFound));
     };
-    if rec.owner.target().map(|t| t.token) != Some(token) {
+    // The owner's token now: a process's changes when the reconciler claims it.
+    let current = match (&rec.owner.process, &rec.owner.lease) {
+        (Some(p), _) => tx.process(&p.id).await?.map(|p| p.token),
+        (None, Some(l)) => Some(l.token),
+        (None, None) => None,
+    };
+    if current != Some(token) {
         return Ok(Err(PortError::Fenced(Box::new(
             serde_json::to_value(&rec).unwrap_or(Value::Null),
         ))));

@@ -67,6 +67,8 @@ pub struct Processes {
     logs_dir: PathBuf,
     /// Orphans whose stop is in progress, so a pass does not start another.
     claiming: Mutex<HashSet<String>>,
+    /// Orphans whose `kill_failed` was reported already.
+    kill_failed: Mutex<HashSet<String>>,
 }
 
 macro_rules! run {
@@ -103,6 +105,7 @@ impl Processes {
             own: OwnIds::read(),
             logs_dir,
             claiming: Mutex::default(),
+            kill_failed: Mutex::default(),
         }))
     }
 
@@ -440,8 +443,19 @@ impl Processes {
             };
             let outcome = stop_tree(me.host.as_ref(), &rec, &params).await;
             let (id, token) = (rec.id.clone(), rec.token);
+            let first_failure = outcome == Stopped::NotSettled
+                && me
+                    .kill_failed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(rec.id.clone());
             if let Err(e) = run!(me, true, |tx, cx| ops::end_orphan(
-                tx, cx, &id, token, outcome
+                tx,
+                cx,
+                &id,
+                token,
+                outcome,
+                first_failure
             )) {
                 tracing::warn!(process = %rec.id, error = %e, "recording an orphan's stop failed");
             }

@@ -501,6 +501,7 @@ pub async fn end_orphan(
     id: &str,
     token: i64,
     outcome: Stopped,
+    first_failure: bool,
 ) -> Result<()> {
     let Some(mut rec) = tx.process(id).await? else {
         return Ok(());
@@ -522,6 +523,8 @@ pub async fn end_orphan(
         Stopped::Reused => {
             end(tx, cx, &mut rec, ProcessState::Exited, "pid_reused".into()).await?;
         }
+        // Reported once per orphan and server run, not on every retry.
+        Stopped::NotSettled if !first_failure => {}
         Stopped::NotSettled => {
             event(
                 tx,
