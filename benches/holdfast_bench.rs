@@ -1,11 +1,11 @@
-//! Load benchmark for the holdfast lease API (a program, not a timed test).
+//! Load benchmark for the holdfast lease and process API (a program, not a timed test).
 //!
 //! Run it with:
 //!
 //! ```text
 //! cargo build --release
 //! cargo bench --bench holdfast-bench -- [--url http://127.0.0.1:7427] \
-//!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended]
+//!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn]
 //! ```
 //!
 //! Without `--url` the bench builds nothing: it starts `target/release/holdfast serve`
@@ -23,6 +23,11 @@
 //!   it at once on 201; reports handoffs/s, p50/p99 of the acquire latency (waiting
 //!   included) and `lost`, the acquires that did not answer 201 (target: zero). After
 //!   `--seconds` no new acquire starts; those in flight finish.
+//! - `spawn`: each client loops spawn (`POST /v1/processes` with argv
+//!   `/bin/sleep 600`, 201) and stop (`grace_ms` 5000, 200 and `stopped`); reports
+//!   cycles/s and p50/p99 of a whole spawn+stop cycle. Right before it, for the same C
+//!   and duration, `spawn-ref` measures the bench's own fork+exec+wait of `/bin/true`
+//!   in C blocking threads; the spawn line gives its rate as a ratio of that one.
 //!
 //! `errors` counts unexpected statuses and failed requests (the bench never panics on
 //! one). Rates divide by the wall time until the last client finished. When the bench
@@ -38,19 +43,26 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use reqwest::{Client, StatusCode};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
 
 const USAGE: &str = "usage: cargo bench --bench holdfast-bench -- [--url URL] \
-    [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended]";
+    [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn]";
 
 #[derive(Clone, Copy)]
 enum Workload {
     Churn,
     Renew,
     Contended,
+    Spawn,
 }
 
 impl Workload {
-    const ALL: [Workload; 3] = [Workload::Churn, Workload::Renew, Workload::Contended];
+    const ALL: [Workload; 4] = [
+        Workload::Churn,
+        Workload::Renew,
+        Workload::Contended,
+        Workload::Spawn,
+    ];
 
     /// Its name and the unit of its rate.
     fn labels(self) -> (&'static str, &'static str) {
@@ -58,6 +70,7 @@ impl Workload {
             Workload::Churn => ("churn", "cycles/s"),
             Workload::Renew => ("renew", "renewals/s"),
             Workload::Contended => ("contended", "handoffs/s"),
+            Workload::Spawn => ("spawn", "cycles/s"),
         }
     }
 }
@@ -149,21 +162,28 @@ impl Stats {
         us.map_or(f64::NAN, |&us| us as f64 / 1000.0)
     }
 
-    fn report(&mut self, workload: Workload, c: usize, elapsed: Duration) {
+    /// Prints one result line for `rate` ops/s, ending with `extra`.
+    fn report(&mut self, (name, unit): (&str, &str), c: usize, rate: f64, extra: &str) {
         self.latencies_us.sort_unstable();
-        let rate = self.ops as f64 / elapsed.as_secs_f64();
         let (p50, p99) = (self.percentile_ms(50.0), self.percentile_ms(99.0));
-        let (name, unit) = workload.labels();
-        print!("{name:<10} C={c:>3} {rate:>9.1} {unit:<11}  p50 {p50:>7.2} ms   ");
-        print!("p99 {p99:>7.2} ms   errors {}", self.errors);
-        match workload {
-            Workload::Contended => println!("   lost {}", self.lost),
-            _ => println!(),
-        }
+        print!("{name:<10} C={c:>3} {rate:>9.1} {unit:<16}  p50 {p50:>7.2} ms   ");
+        println!("p99 {p99:>7.2} ms   errors {}{extra}", self.errors);
     }
 }
 
-/// The lease endpoints of one server, over the shared client.
+/// Awaits the client tasks (or threads) of one run and merges what they measured.
+async fn merge(tasks: Vec<JoinHandle<Stats>>, name: &str) -> Stats {
+    let mut total = Stats::default();
+    for task in tasks {
+        match task.await {
+            Ok(stats) => total.add(stats),
+            Err(e) => eprintln!("a {name} client task failed: {e}"),
+        }
+    }
+    total
+}
+
+/// The lease and process endpoints of one server, over the shared client.
 #[derive(Clone)]
 struct Api {
     client: Client,
@@ -181,9 +201,9 @@ impl Api {
         Ok((status, json))
     }
 
-    /// Some((id, token)) on 201, None on any other answer or failure.
-    async fn acquire(&self, body: &Value) -> Option<(String, i64)> {
-        match self.post("/v1/leases", body.clone()).await {
+    /// Creates a lease or process: Some((id, token)) on 201, None on anything else.
+    async fn create(&self, path: &str, body: &Value) -> Option<(String, i64)> {
+        match self.post(path, body.clone()).await {
             Ok((StatusCode::CREATED, v)) => Some((v["id"].as_str()?.into(), v["token"].as_i64()?)),
             _ => None,
         }
@@ -202,6 +222,13 @@ impl Api {
         let answer = self.post(&format!("/v1/leases/{id}/release"), body).await;
         matches!(answer, Ok((StatusCode::OK, _)))
     }
+
+    /// True on 200 with the process `stopped`.
+    async fn stop(&self, id: &str, token: i64) -> bool {
+        let body = json!({"token": token, "grace_ms": 5000});
+        let answer = self.post(&format!("/v1/processes/{id}/stop"), body).await;
+        matches!(answer, Ok((StatusCode::OK, v)) if v["state"] == "stopped")
+    }
 }
 
 async fn churn_client(api: Api, resource: String, deadline: Instant) -> Stats {
@@ -209,7 +236,7 @@ async fn churn_client(api: Api, resource: String, deadline: Instant) -> Stats {
     let body = json!({"resource": resource, "holder": "bench-churn", "ttl_ms": 30000});
     while Instant::now() < deadline {
         let started = Instant::now();
-        let ok = match api.acquire(&body).await {
+        let ok = match api.create("/v1/leases", &body).await {
             Some((id, token)) => {
                 let renewed = api.renew(&id, token, 30000).await;
                 api.release(&id, token).await && renewed // release even if renew failed
@@ -228,7 +255,7 @@ async fn churn_client(api: Api, resource: String, deadline: Instant) -> Stats {
 async fn renew_client(api: Api, resource: String, deadline: Instant) -> Stats {
     let mut stats = Stats::default();
     let body = json!({"resource": resource, "holder": "bench-renew", "ttl_ms": 60000});
-    let Some((id, token)) = api.acquire(&body).await else {
+    let Some((id, token)) = api.create("/v1/leases", &body).await else {
         stats.errors += 1;
         return stats;
     };
@@ -252,7 +279,7 @@ async fn contended_client(api: Api, resource: String, deadline: Instant) -> Stat
                       "ttl_ms": 30000, "wait_ms": 60000});
     while Instant::now() < deadline {
         let started = Instant::now();
-        let Some((id, token)) = api.acquire(&body).await else {
+        let Some((id, token)) = api.create("/v1/leases", &body).await else {
             stats.lost += 1;
             tokio::time::sleep(Duration::from_millis(5)).await; // a quick 503 must not spin
             continue;
@@ -267,8 +294,58 @@ async fn contended_client(api: Api, resource: String, deadline: Instant) -> Stat
     stats
 }
 
-/// Runs one workload with `c` client tasks and prints its line.
+async fn spawn_client(api: Api, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let body = json!({"kind": "bench", "command": {"argv": ["/bin/sleep", "600"]}});
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let ok = match api.create("/v1/processes", &body).await {
+            Some((id, token)) => api.stop(&id, token).await,
+            None => false,
+        };
+        if ok {
+            stats.record(started.elapsed());
+        } else {
+            stats.fail().await;
+        }
+    }
+    stats
+}
+
+/// The reference for `spawn`: fork+exec+wait of `/bin/true` by the bench itself, in
+/// `c` blocking threads for `seconds`. Prints the `spawn-ref` line; returns its rate.
+/// A thread stops at its first failure, which it counts (no sleeping in a thread).
+async fn spawn_reference(c: usize, seconds: f64) -> f64 {
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs_f64(seconds);
+    let run = move || {
+        let mut stats = Stats::default();
+        while Instant::now() < deadline {
+            let started = Instant::now();
+            match std::process::Command::new("/bin/true").status() {
+                Ok(status) if status.success() => stats.record(started.elapsed()),
+                _ => {
+                    stats.errors += 1;
+                    break;
+                }
+            }
+        }
+        stats
+    };
+    let threads = (0..c).map(|_| tokio::task::spawn_blocking(run)).collect();
+    let mut total = merge(threads, "spawn-ref").await;
+    let rate = total.ops as f64 / started.elapsed().as_secs_f64();
+    total.report(("spawn-ref", "fork+exec+wait/s"), c, rate, "");
+    rate
+}
+
+/// Runs one workload with `c` client tasks and prints its line (for `spawn`, after
+/// the line of its reference).
 async fn run_workload(api: &Api, workload: Workload, c: usize, seconds: f64, run_id: &str) {
+    let reference = match workload {
+        Workload::Spawn => spawn_reference(c, seconds).await,
+        _ => f64::NAN,
+    };
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(seconds);
     let (name, _) = workload.labels();
@@ -282,17 +359,18 @@ async fn run_workload(api: &Api, workload: Workload, c: usize, seconds: f64, run
                 Workload::Contended => {
                     tokio::spawn(contended_client(api, prefix.clone(), deadline))
                 }
+                Workload::Spawn => tokio::spawn(spawn_client(api, deadline)),
             }
         })
         .collect();
-    let mut total = Stats::default();
-    for task in tasks {
-        match task.await {
-            Ok(stats) => total.add(stats),
-            Err(e) => eprintln!("a {name} client task failed: {e}"),
-        }
-    }
-    total.report(workload, c, started.elapsed());
+    let mut total = merge(tasks, name).await;
+    let rate = total.ops as f64 / started.elapsed().as_secs_f64();
+    let extra = match workload {
+        Workload::Contended => format!("   lost {}", total.lost),
+        Workload::Spawn => format!("   ratio {:.2} of raw fork+exec+wait", rate / reference),
+        _ => String::new(),
+    };
+    total.report(workload.labels(), c, rate, &extra);
 }
 
 /// A server started by the bench: killed on drop, then its temp data dir is removed.

@@ -93,13 +93,12 @@ impl App {
         let backend = SqliteStore::open(&path, &facts.boot_id, time::now_ms(), hub.clone())?;
         let store = Store::new(Arc::new(backend));
         hub.event_committed(store.backend().last_event_seq().await?);
-        let metrics = Arc::new(metrics::Metrics::default());
-        let leases = leases::Leases::new(
-            store.clone(),
-            host.clone(),
-            hub.waiters.clone(),
-            metrics.clone(),
+        hub.pruned_through.store(
+            store.backend().pruned_through().await?,
+            std::sync::atomic::Ordering::SeqCst,
         );
+        let metrics = Arc::new(metrics::Metrics::default());
+        let leases = leases::Leases::new(store.clone(), host.clone(), &hub, metrics.clone());
         let reaper = host::spawn::Reaper::start()?;
         let data_dir = config.data_dir();
         let processes = processes::Processes::new(store.clone(), host.clone(), reaper, &data_dir)
@@ -155,6 +154,7 @@ impl App {
                 leases: self.state.leases.clone(),
                 processes: self.state.processes.clone(),
                 hub: self.state.hub.clone(),
+                retention: self.config.event_retention,
             },
             interval,
             stop_rx.clone(),

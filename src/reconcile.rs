@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use crate::config::Retention;
 use crate::leases::Leases;
 use crate::leases::rules::{Verdict, verdict};
 use crate::processes::Processes;
@@ -21,6 +22,28 @@ pub struct Parts {
     pub leases: Leases,
     pub processes: Arc<Processes>,
     pub hub: Arc<Hub>,
+    pub retention: Retention,
+}
+
+/// Remove events past the retention, and tell readers where the log now starts.
+async fn prune(parts: &Parts) -> Result<(), StoreError> {
+    let (keep, age) = match parts.retention {
+        Retention::Count(n) => (Some(n), None),
+        Retention::Age(d) => (
+            None,
+            Some(now_ms() - i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+        ),
+    };
+    // Not durable: after a crash the same events are simply pruned again.
+    let through = parts
+        .store
+        .write(false, move |tx| tx.prune_events(keep, age))
+        .await?;
+    parts
+        .hub
+        .pruned_through
+        .fetch_max(through, std::sync::atomic::Ordering::SeqCst);
+    Ok(())
 }
 
 /// One pass over leases: judge every lease that could need ending, outside
@@ -55,6 +78,9 @@ pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver
             Ok(0) => {}
             Ok(n) => tracing::info!(ended = n, "reconciler ended leases"),
             Err(e) => tracing::warn!(error = %e, "reconciler pass over leases failed"),
+        }
+        if let Err(e) = prune(&parts).await {
+            tracing::warn!(error = %e, "pruning events failed");
         }
         match parts.processes.reconcile().await {
             Ok(0) => {}

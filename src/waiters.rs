@@ -123,7 +123,15 @@ pub struct Hub {
     events: watch::Sender<i64>,
     /// Wakes the reconciler: a lease ended, so processes it owned are to be claimed.
     pub reconcile_soon: Notify,
+    /// The highest event seq that retention removed.
+    pub pruned_through: std::sync::atomic::AtomicI64,
+    /// Requests that wait (`wait_ms`, SSE) hold one of these; past the cap
+    /// the answer is `503 busy`, never an unbounded pile of waiters.
+    pub waiting: Arc<tokio::sync::Semaphore>,
 }
+
+/// How many requests may wait at once.
+pub const MAX_WAITERS: usize = 2048;
 
 impl Hub {
     pub fn new(last_seq: i64) -> Self {
@@ -131,6 +139,8 @@ impl Hub {
             waiters: Arc::default(),
             events: watch::Sender::new(last_seq),
             reconcile_soon: Notify::new(),
+            pruned_through: std::sync::atomic::AtomicI64::new(0),
+            waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITERS)),
         }
     }
 

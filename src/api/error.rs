@@ -42,6 +42,9 @@ pub struct Problem {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<LeaseView>)]
     pub parent: Option<Value>,
+    /// The oldest seq still kept (`events_pruned`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oldest_seq: Option<i64>,
     /// The process that holds the operation id (`operation_in_progress`).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<crate::model::ProcessView>)]
@@ -64,6 +67,7 @@ pub enum ApiError {
     Lease(LeaseError),
     Proc(ProcError),
     Port(PortError),
+    EventsPruned { oldest_seq: i64 },
     Busy,
     Unavailable(String),
     Internal(String),
@@ -361,6 +365,15 @@ impl IntoResponse for ApiError {
                 };
                 ext.insert(key.into(), lease.as_deref().map_or(Value::Null, lease_json));
                 (StatusCode::CONFLICT, code, title, detail)
+            }
+            Self::EventsPruned { oldest_seq } => {
+                ext.insert("oldest_seq".into(), json!(oldest_seq));
+                (
+                    StatusCode::GONE,
+                    "events_pruned",
+                    "Events pruned",
+                    format!("events before seq {oldest_seq} were removed by retention"),
+                )
             }
             Self::Proc(e) => return proc_problem(e),
             Self::Port(e) => return port_problem(e),

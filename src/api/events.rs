@@ -1,8 +1,11 @@
 //! `/v1/events`: the ordered log of every state change.
 
+use std::sync::atomic::Ordering;
+
 use axum::extract::State;
-use axum::http::header;
-use axum::response::IntoResponse;
+use axum::http::{HeaderMap, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
@@ -12,7 +15,7 @@ use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::Params;
 use super::validate;
-use crate::model::LeaseView;
+use crate::model::{EventRow, LeaseView};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(list_events))
@@ -60,30 +63,63 @@ pub struct EventList {
     pub items: Vec<Event>,
 }
 
-/// Events after `after`, oldest first; with `wait_ms`, a long poll.
+/// Events after `after`, oldest first; with `wait_ms`, a long poll; with
+/// `Accept: text/event-stream`, a Server-Sent Events stream.
 #[utoipa::path(
     get, path = "/v1/events", tag = "events",
-    params(EventsQuery),
+    params(
+        EventsQuery,
+        ("Last-Event-ID" = Option<i64>, Header, description = "SSE: resume after this seq (overrides `after`)"),
+    ),
     responses(
-        (status = 200, description = "Events, oldest first", body = EventList),
+        (status = 200, description = "Events, oldest first (or an SSE stream with `Accept: text/event-stream`)",
+         content((EventList = "application/json"), (String = "text/event-stream"))),
+        (status = 410, description = "`events_pruned`: `after` is older than what retention kept; body has `oldest_seq`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`busy`: too many waiting requests", body = Problem, content_type = "application/problem+json"),
     )
 )]
 async fn list_events(
     State(state): State<AppState>,
+    headers: HeaderMap,
     Params(q): Params<EventsQuery>,
-) -> Result<impl IntoResponse, ApiError> {
-    let after = q.after.unwrap_or(0);
+) -> Result<Response, ApiError> {
+    let mut after = q.after.unwrap_or(0);
     validate::in_range("after", after, 0..=i64::MAX)?;
     let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
     validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
     let wait_ms = q.wait_ms.unwrap_or(0);
     validate::in_range("wait_ms", wait_ms, validate::WAIT_MS)?;
     let limit = u32::try_from(limit).unwrap_or(1000);
+    let sse = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("text/event-stream"));
+    if sse && let Some(last) = headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
+        after = last.trim().parse().map_err(|_| {
+            ApiError::validation("Last-Event-ID", "Last-Event-ID must be an event seq")
+        })?;
+    }
+    check_not_pruned(&state, after)?;
+    if sse {
+        let permit = state
+            .hub
+            .waiting
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ApiError::Busy)?;
+        return Ok(stream(state, after, permit).into_response());
+    }
     // Subscribe before reading, so an event committed in between still wakes us.
     let mut newest = state.hub.subscribe_events();
     let mut rows = state.store.backend().events(after, limit).await?;
     if rows.is_empty() && wait_ms > 0 {
+        let _permit = state
+            .hub
+            .waiting
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ApiError::Busy)?;
         let wait = std::time::Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
         // The watch guard is not Send: keep only whether it fired.
         let woken = tokio::time::timeout(wait, newest.wait_for(|seq| *seq > after))
@@ -93,16 +129,113 @@ async fn list_events(
             rows = state.store.backend().events(after, limit).await?;
         }
     }
-    // Stored bodies are JSON objects without their seq: splice it in rather
-    // than parse and re-serialize every event.
     let mut out = String::from("{\"items\":[");
     for (i, row) in rows.iter().enumerate() {
         if i > 0 {
             out.push(',');
         }
-        out.push_str(&format!("{{\"seq\":{},", row.seq));
-        out.push_str(row.payload.get(1..).unwrap_or("}"));
+        out.push_str(&with_seq(row));
     }
     out.push_str("]}");
-    Ok(([(header::CONTENT_TYPE, "application/json")], out))
+    Ok(([(header::CONTENT_TYPE, "application/json")], out).into_response())
+}
+
+/// Stored bodies are JSON objects without their seq: splice it in rather
+/// than parse and re-serialize every event.
+fn with_seq(row: &EventRow) -> String {
+    format!(
+        "{{\"seq\":{},{}",
+        row.seq,
+        row.payload.get(1..).unwrap_or("}")
+    )
+}
+
+fn check_not_pruned(state: &AppState, after: i64) -> Result<(), ApiError> {
+    let pruned = state.hub.pruned_through.load(Ordering::SeqCst);
+    if after < pruned {
+        return Err(ApiError::EventsPruned {
+            oldest_seq: pruned + 1,
+        });
+    }
+    Ok(())
+}
+
+/// The event type, read back from the stored body for the SSE `event:` line.
+fn kind(row: &EventRow) -> String {
+    serde_json::from_str::<serde_json::Value>(&row.payload)
+        .ok()
+        .and_then(|v| v["type"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| "message".into())
+}
+
+struct Cursor {
+    state: AppState,
+    after: i64,
+    pending: std::collections::VecDeque<EventRow>,
+    newest: tokio::sync::watch::Receiver<i64>,
+    done: bool,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// Events as they commit. The stream is pulled: a client that reads slowly
+/// holds no buffer on the server. One that falls so far behind that
+/// retention removed what it has not read gets an `error` event and the
+/// stream ends.
+fn stream(
+    state: AppState,
+    after: i64,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> impl IntoResponse {
+    let newest = state.hub.subscribe_events();
+    let cursor = Cursor {
+        state,
+        after,
+        pending: Default::default(),
+        newest,
+        done: false,
+        _permit: permit,
+    };
+    let events = futures_util::stream::unfold(cursor, |mut c| async move {
+        loop {
+            if c.done {
+                return None;
+            }
+            if let Some(row) = c.pending.pop_front() {
+                c.after = row.seq;
+                let event = SseEvent::default()
+                    .id(row.seq.to_string())
+                    .event(kind(&row))
+                    .data(with_seq(&row));
+                return Some((Ok::<_, std::convert::Infallible>(event), c));
+            }
+            if check_not_pruned(&c.state, c.after).is_err() {
+                c.done = true;
+                let oldest = c.state.hub.pruned_through.load(Ordering::SeqCst) + 1;
+                let data = serde_json::json!({"code": "events_pruned", "oldest_seq": oldest,
+                    "detail": "the client fell behind what retention keeps; reconnect from oldest_seq"});
+                return Some((
+                    Ok(SseEvent::default().event("error").data(data.to_string())),
+                    c,
+                ));
+            }
+            match c.state.store.backend().events(c.after, 500).await {
+                Ok(rows) if !rows.is_empty() => c.pending.extend(rows),
+                Ok(_) => {
+                    let after = c.after;
+                    if c.newest.wait_for(|seq| *seq > after).await.is_err() {
+                        return None;
+                    }
+                }
+                Err(e) => {
+                    c.done = true;
+                    let data = serde_json::json!({"code": "unavailable", "detail": e.to_string()});
+                    return Some((
+                        Ok(SseEvent::default().event("error").data(data.to_string())),
+                        c,
+                    ));
+                }
+            }
+        }
+    });
+    Sse::new(events).keep_alive(KeepAlive::new().interval(std::time::Duration::from_secs(15)))
 }

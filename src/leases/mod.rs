@@ -82,6 +82,7 @@ pub struct Leases {
     store: Store,
     host: Arc<dyn Host>,
     waiters: Arc<Waiters>,
+    waiting: Arc<tokio::sync::Semaphore>,
     metrics: Arc<Metrics>,
 }
 
@@ -107,13 +108,14 @@ impl Leases {
     pub fn new(
         store: Store,
         host: Arc<dyn Host>,
-        waiters: Arc<Waiters>,
+        hub: &crate::waiters::Hub,
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
             store,
             host,
-            waiters,
+            waiters: hub.waiters.clone(),
+            waiting: hub.waiting.clone(),
             metrics,
         }
     }
@@ -140,6 +142,8 @@ impl Leases {
     pub async fn acquire(&self, cmd: Acquire, wait: Duration) -> Result<Acquired, Error> {
         let deadline = Instant::now() + wait;
         let mut ticket = None;
+        // Held while waiting: past the cap a waiter is told `busy` at once.
+        let mut permit = None;
         loop {
             let seen = self.waiters.ends_seen();
             let holder = match self.try_acquire(cmd.clone()).await? {
@@ -152,6 +156,14 @@ impl Leases {
                 Err(LeaseError::Held(holder)) if Instant::now() < deadline => holder,
                 Err(e) => return Err(e.into()),
             };
+            if permit.is_none() {
+                permit = Some(
+                    self.waiting
+                        .clone()
+                        .try_acquire_owned()
+                        .map_err(|_| StoreError::Busy)?,
+                );
+            }
             let t = ticket.get_or_insert_with(|| self.waiters.enqueue(&cmd.resource, seen));
             let mut until = deadline;
             if t.is_head()

@@ -51,6 +51,13 @@ pub trait Tx: Send {
     /// Append an event; `body` is its JSON object without `seq`. Returns the seq.
     fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<i64>>;
     fn set_meta<'a>(&'a mut self, key: &'a str, value: &'a str) -> BoxFuture<'a, Result<()>>;
+    /// Delete events beyond the newest `keep_last` or older than `older_than`;
+    /// returns the highest seq pruned so far (0 when none ever was).
+    fn prune_events(
+        &mut self,
+        keep_last: Option<u64>,
+        older_than: Option<Millis>,
+    ) -> BoxFuture<'_, Result<i64>>;
 
     fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>>;
     /// The current process holding `operation_id`, if any.
@@ -124,6 +131,8 @@ pub trait Backend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<PortRecord>>>;
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>>;
     fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>>;
+    /// The highest seq retention has removed (0 when none).
+    fn pruned_through(&self) -> BoxFuture<'_, Result<i64>>;
     /// A small write that proves the store is open, migrated and writable.
     fn check_writable(&self) -> BoxFuture<'_, Result<()>>;
     fn close(&self) -> BoxFuture<'_, ()>;

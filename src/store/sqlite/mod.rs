@@ -230,6 +230,10 @@ impl Backend for SqliteStore {
         Box::pin(self.reads.with(rows::last_event_seq))
     }
 
+    fn pruned_through(&self) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(self.reads.with(rows::pruned_through))
+    }
+
     fn check_writable(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async move {
             let now = crate::time::now_ms().to_string();

@@ -248,3 +248,36 @@ pub fn last_event_seq(conn: &Connection) -> Result<i64> {
     conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))
         .map_err(map_err)
 }
+
+pub fn pruned_through(conn: &Connection) -> Result<i64> {
+    Ok(meta(conn, "pruned_through")?
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0))
+}
+
+pub fn prune_events(
+    conn: &Connection,
+    keep_last: Option<u64>,
+    older_than: Option<Millis>,
+) -> Result<i64> {
+    let mut through = pruned_through(conn)?;
+    if let Some(keep) = keep_last {
+        let max = last_event_seq(conn)?;
+        through = through.max(max - i64::try_from(keep).unwrap_or(i64::MAX));
+    }
+    if let Some(before) = older_than {
+        let seq: Option<i64> = conn
+            .query_row("SELECT MAX(seq) FROM events WHERE at < ?1", [before], |r| {
+                r.get(0)
+            })
+            .map_err(map_err)?;
+        through = through.max(seq.unwrap_or(0));
+    }
+    if through > pruned_through(conn)? {
+        conn.prepare_cached("DELETE FROM events WHERE seq <= ?1")
+            .and_then(|mut s| s.execute([through]))
+            .map_err(map_err)?;
+        set_meta(conn, "pruned_through", &through.to_string())?;
+    }
+    Ok(through)
+}

@@ -324,6 +324,14 @@ impl Tx for WriterTx<'_> {
         ready(rows::set_meta(&*self.conn, key, value))
     }
 
+    fn prune_events(
+        &mut self,
+        keep_last: Option<u64>,
+        older_than: Option<Millis>,
+    ) -> BoxFuture<'_, Result<i64>> {
+        ready(rows::prune_events(&*self.conn, keep_last, older_than))
+    }
+
     fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
         ready(procs::process(&*self.conn, id))
     }
