@@ -1,5 +1,6 @@
 //! The one integration-test binary: each file is a module.
 
+mod access;
 mod disk_full;
 mod errors;
 mod leases;
@@ -10,5 +11,6 @@ mod processes;
 mod races;
 mod restart;
 mod service;
+mod sse;
 mod support;
 mod waiting;

@@ -348,3 +348,91 @@ pub async fn until(within: Duration, mut pred: impl FnMut() -> bool) -> bool {
 pub fn server_pid(s: &Server) -> i64 {
     i64::from(s.child.id().expect("server running"))
 }
+
+/// One HTTP/1.1 request over a Unix socket, from this test process (so the
+/// server sees this process as the peer).
+pub async fn unix_request(socket: &Path, method: &str, path: &str, body: Option<Value>) -> Reply {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .expect("connect unix socket");
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("write");
+    stream.write_all(body.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
+    let code: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("status");
+    let mut headers = reqwest::header::HeaderMap::new();
+    for line in head.lines().skip(1) {
+        if let Some((k, v)) = line.split_once(':')
+            && let (Ok(k), Ok(v)) = (
+                reqwest::header::HeaderName::from_bytes(k.trim().as_bytes()),
+                v.trim().parse(),
+            )
+        {
+            headers.insert(k, v);
+        }
+    }
+    // Bodies of this server are JSON; chunked framing only wraps them.
+    let json = body
+        .find('{')
+        .and_then(|start| body.rfind('}').map(|end| &body[start..=end]))
+        .unwrap_or("");
+    Reply {
+        status: StatusCode::from_u16(code).expect("status"),
+        body: serde_json::from_str(json).unwrap_or(Value::String(body.to_owned())),
+        headers,
+    }
+}
+
+/// `curl` over the Unix socket run as `user` (via runuser), for the uid rules.
+pub async fn curl_as(
+    user: &str,
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Value,
+) -> (u16, Value) {
+    let out = Command::new("runuser")
+        .args([
+            "-u",
+            user,
+            "--",
+            "curl",
+            "-s",
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            "--unix-socket",
+        ])
+        .arg(socket)
+        .args([
+            "-X",
+            method,
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &body.to_string(),
+        ])
+        .arg(format!("http://localhost{path}"))
+        .output()
+        .await
+        .expect("runuser curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (
+        code.trim().parse().unwrap_or(0),
+        serde_json::from_str(body).unwrap_or(Value::String(body.to_owned())),
+    )
+}
