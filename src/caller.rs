@@ -4,11 +4,14 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Peer {
     Tcp,
-    /// Credentials the kernel gave for the peer (SO_PEERCRED).
+    /// Credentials the kernel gave for the peer (SO_PEERCRED), and the
+    /// pidfs inode of its pidfd (SO_PEERPIDFD) where the kernel has one:
+    /// that names the very process that connected, whatever its pid becomes.
     Unix {
         pid: Option<i32>,
         uid: u32,
         gid: u32,
+        pidfd_inode: Option<u64>,
     },
 }
 

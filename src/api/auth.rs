@@ -22,17 +22,24 @@ impl Connected<IncomingStream<'_, TcpListener>> for Peer {
 
 impl Connected<IncomingStream<'_, UnixListener>> for Peer {
     fn connect_info(stream: IncomingStream<'_, UnixListener>) -> Self {
+        let pidfd_inode =
+            nix::sys::socket::getsockopt(stream.io(), nix::sys::socket::sockopt::PeerPidfd)
+                .ok()
+                .and_then(|fd| rustix::fs::fstat(&fd).ok())
+                .map(|st| st.st_ino);
         match stream.io().peer_cred() {
             Ok(cred) => Peer::Unix {
                 pid: cred.pid(),
                 uid: cred.uid(),
                 gid: cred.gid(),
+                pidfd_inode,
             },
             // Unknown credentials: treat as the most restricted local user.
             Err(_) => Peer::Unix {
                 pid: None,
                 uid: u32::MAX,
                 gid: u32::MAX,
+                pidfd_inode: None,
             },
         }
     }
@@ -266,6 +273,7 @@ mod tests {
             pid: Some(5),
             uid: 1000,
             gid: 1000,
+            pidfd_inode: None,
         };
         let c = identify(&none, &HeaderMap::new(), peer).expect("open");
         assert!(!c.admin, "a non-root Unix peer is limited to its own uid");

@@ -34,6 +34,12 @@ pub struct OwnerPid {
     pub start_time: Option<String>,
 }
 
+#[derive(Clone, Copy)]
+enum OwnerKind {
+    Caller,
+    Pid,
+}
+
 /// Read the identity of the process an `owner` member names, on this host.
 pub fn resolve_owner(
     host: &dyn Host,
@@ -41,6 +47,10 @@ pub fn resolve_owner(
     field: &str,
     caller: &Caller,
 ) -> Result<Identity, ApiError> {
+    let kind = match spec {
+        OwnerSpec::Caller(_) => OwnerKind::Caller,
+        OwnerSpec::Pid(_) => OwnerKind::Pid,
+    };
     let p = match (spec, caller.peer) {
         // The kernel's word about the peer, read when it connected.
         (OwnerSpec::Caller(_), Peer::Unix { pid: Some(pid), .. }) => OwnerPid {
@@ -73,6 +83,20 @@ pub fn resolve_owner(
         return Err(ApiError::IdentityMismatch(format!(
             "pid {pid} now has start time {}, not {seen}: it is another process",
             identity.start_time
+        )));
+    }
+    // "caller": the process behind the peer's pidfd must be the one read now.
+    if let (
+        OwnerKind::Caller,
+        Peer::Unix {
+            pidfd_inode: Some(inode),
+            ..
+        },
+    ) = (kind, caller.peer)
+        && identity.pidfd_inode.as_deref() != Some(inode.to_string().as_str())
+    {
+        return Err(ApiError::IdentityMismatch(format!(
+            "the calling process has exited; pid {pid} is another process now"
         )));
     }
     Ok(identity)
