@@ -2,6 +2,7 @@
 //! when forced, and wait until the whole group is gone. Every signal is
 //! sent only after the recorded identity was verified through a pidfd.
 
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -13,8 +14,9 @@ use crate::model::{Identity, ProcessRecord};
 
 /// How long a tree may take to go after SIGKILL before it counts as not settled.
 const KILL_WAIT: Duration = Duration::from_secs(5);
-/// Group membership has no exit event; it is checked this often.
-const POLL: Duration = Duration::from_millis(10);
+/// Group membership has no exit event: after the leader's exit (which its
+/// pidfd announces) it is checked at growing intervals up to this.
+const POLL_MAX: Duration = Duration::from_millis(10);
 
 pub struct StopParams {
     pub grace: Duration,
@@ -24,7 +26,8 @@ pub struct StopParams {
 }
 
 enum Sent {
-    Signalled,
+    /// With the verified leader's pidfd, to await its exit.
+    Signalled(Option<OwnedFd>),
     /// The leader and its group are gone: nothing to signal.
     Gone,
     /// The pid is another process now.
@@ -51,7 +54,7 @@ fn send(host: &dyn Host, ident: &Identity, pgid: Option<i32>, sig: Sig, reason: 
             };
             log(target, &result);
             if result.is_ok() {
-                Sent::Signalled
+                Sent::Signalled(Some(fd))
             } else {
                 Sent::Failed
             }
@@ -63,7 +66,7 @@ fn send(host: &dyn Host, ident: &Identity, pgid: Option<i32>, sig: Sig, reason: 
                 let result = signal::signal_group(g, sig);
                 log("group (leader gone)", &result);
                 if result.is_ok() {
-                    Sent::Signalled
+                    Sent::Signalled(None)
                 } else {
                     Sent::Failed
                 }
@@ -91,16 +94,23 @@ async fn settled_within(
     ident: &Identity,
     pgid: Option<i32>,
     within: Duration,
+    leader: Option<OwnedFd>,
 ) -> bool {
     let deadline = Instant::now() + within;
+    if let Some(fd) = leader {
+        let _ = tokio::time::timeout_at(deadline, crate::host::watch::exited(fd)).await;
+    }
+    let mut pause = Duration::from_millis(1);
     loop {
         if gone(host, ident, pgid) {
             return true;
         }
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if now >= deadline {
             return false;
         }
-        tokio::time::sleep(POLL).await;
+        tokio::time::sleep(pause.min(deadline - now)).await;
+        pause = (pause * 2).min(POLL_MAX);
     }
 }
 
@@ -110,23 +120,25 @@ pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> 
         return Stopped::Settled;
     };
     let pgid = rec.pgid();
-    match send(host, ident, pgid, Sig::Term, &p.reason) {
+    let leader = match send(host, ident, pgid, Sig::Term, &p.reason) {
         Sent::Reused => return Stopped::Reused,
         Sent::Gone => return Stopped::Settled,
-        Sent::Signalled | Sent::Failed => {}
-    }
-    if settled_within(host, ident, pgid, p.grace).await {
+        Sent::Signalled(fd) => fd,
+        Sent::Failed => None,
+    };
+    if settled_within(host, ident, pgid, p.grace, leader).await {
         return Stopped::Settled;
     }
     if !p.force {
         return Stopped::NotSettled;
     }
-    match send(host, ident, pgid, Sig::Kill, &p.reason) {
+    let leader = match send(host, ident, pgid, Sig::Kill, &p.reason) {
         Sent::Gone => return Stopped::Settled,
         Sent::Reused => return Stopped::Reused,
-        Sent::Signalled | Sent::Failed => {}
-    }
-    if settled_within(host, ident, pgid, KILL_WAIT).await {
+        Sent::Signalled(fd) => fd,
+        Sent::Failed => None,
+    };
+    if settled_within(host, ident, pgid, KILL_WAIT, leader).await {
         Stopped::Settled
     } else {
         Stopped::NotSettled
