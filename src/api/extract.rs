@@ -66,8 +66,10 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
                 ApiError::MalformedJson(format!("the body could not be read: {e}"))
             }
         })?;
-        let value: Value = serde_json::from_slice(&bytes)
-            .map_err(|e| ApiError::MalformedJson(format!("the body is not valid JSON: {e}")))?;
+        let value = super::strict::parse(&bytes).map_err(|(dup, detail)| match dup {
+            Some(path) => ApiError::validation(path, detail),
+            None => ApiError::MalformedJson(format!("the body is not valid JSON: {detail}")),
+        })?;
         if !value.is_object() {
             return Err(ApiError::MalformedJson(
                 "the body must be a JSON object".into(),

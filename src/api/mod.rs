@@ -10,6 +10,7 @@ mod owner;
 mod ports;
 mod processes;
 mod service;
+mod strict;
 mod validate;
 
 use std::sync::Arc;

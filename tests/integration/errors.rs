@@ -208,3 +208,35 @@ async fn unknown_ids_and_paths_are_404() {
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.code(), "not_found");
 }
+
+#[tokio::test]
+async fn duplicate_members_and_deep_nesting_are_refused() {
+    let s = Server::start().await;
+    let dup = br#"{"resource":"a","holder":"h","ttl_ms":5000,"resource":"b"}"#.to_vec();
+    let r = s
+        .post_raw("/v1/leases", Some("application/json"), dup)
+        .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::UNPROCESSABLE_ENTITY, "validation")
+    );
+    assert_eq!(r.body["field"], "resource");
+    let nested = format!(
+        r#"{{"resource":"a","holder":"h","ttl_ms":5000,"metadata":{{"x":{}1{}}}}}"#,
+        "[".repeat(300),
+        "]".repeat(300)
+    );
+    let r = s
+        .post_raw("/v1/leases", Some("application/json"), nested.into_bytes())
+        .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::BAD_REQUEST, "malformed_json")
+    );
+    let huge = br#"{"resource":"a","holder":"h","ttl_ms":123456789012345678901234567890}"#.to_vec();
+    let r = s
+        .post_raw("/v1/leases", Some("application/json"), huge)
+        .await;
+    assert_eq!(r.status.as_u16() / 100, 4, "{}", r.body);
+    assert_eq!(s.get("/v1/leases?state=all").await.body["items"], json!([]));
+}
