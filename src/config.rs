@@ -49,6 +49,11 @@ pub struct Config {
     )]
     pub allowed_hosts: Vec<String>,
 
+    /// Connections served at once (at least 1024); past it a client gets `503 busy`.
+    #[arg(long, env = "HOLDFAST_MAX_CONNECTIONS", default_value_t = 4096,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_connections: usize,
+
     /// Events kept: a count (`100000`) or an age (`30m`, `12h`, `7d`).
     #[arg(long, env = "HOLDFAST_EVENT_RETENTION", default_value = "1000000", value_parser = parse_retention)]
     pub event_retention: Retention,

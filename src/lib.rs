@@ -14,6 +14,7 @@ pub mod model;
 pub mod ports;
 pub mod processes;
 pub mod reconcile;
+pub mod server;
 pub mod store;
 pub mod time;
 pub mod waiters;
@@ -164,17 +165,35 @@ impl App {
             let _ = rx.wait_for(|stop| *stop).await;
         };
         let mut servers = tokio::task::JoinSet::new();
+        // One cap for both listeners: it bounds the server, not a socket.
+        let connections = Arc::new(tokio::sync::Semaphore::new(self.config.max_connections));
         if let Some(tcp) = listeners.tcp {
-            let app = router
-                .clone()
-                .into_make_service_with_connect_info::<api::auth::Peer>();
             let done = stopped(stop_rx.clone());
-            servers.spawn(async move { axum::serve(tcp, app).with_graceful_shutdown(done).await });
+            let (app, conns) = (router.clone(), connections.clone());
+            let tcp = Arc::new(tcp);
+            let accept = move || {
+                let tcp = tcp.clone();
+                async move {
+                    let (stream, _) = tcp.accept().await?;
+                    // Answers are written in one go; do not let Nagle hold them.
+                    let _ = stream.set_nodelay(true);
+                    Ok((stream, api::auth::Peer::Tcp))
+                }
+            };
+            servers.spawn(server::serve(accept, app, conns, done));
         }
         if let Some(unix) = listeners.unix {
-            let app = router.into_make_service_with_connect_info::<api::auth::Peer>();
             let done = stopped(stop_rx.clone());
-            servers.spawn(async move { axum::serve(unix, app).with_graceful_shutdown(done).await });
+            let unix = Arc::new(unix);
+            let accept = move || {
+                let unix = unix.clone();
+                async move {
+                    let (stream, _) = unix.accept().await?;
+                    let peer = api::auth::peer_of(&stream);
+                    Ok((stream, peer))
+                }
+            };
+            servers.spawn(server::serve(accept, router, connections, done));
         }
         let mut first_error = None;
         tokio::select! {

@@ -65,6 +65,7 @@ fn serve(config: Config) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    holdfast::server::raise_fd_limit();
     let result = runtime.block_on(async move {
         let app = App::build(config).await?;
         let listeners = app.bind().await?;

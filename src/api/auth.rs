@@ -1,47 +1,36 @@
 //! Who is calling, and whether they may: bearer tokens, Unix socket peer
 //! credentials, and the `Host` / `Origin` checks that keep web pages out.
 
-use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::serve::IncomingStream;
-use tokio::net::{TcpListener, UnixListener};
 
 use super::AppState;
 use super::error::{ApiError, problem};
 pub use crate::caller::{Caller, Peer};
 use crate::config::Tokens;
 
-impl Connected<IncomingStream<'_, TcpListener>> for Peer {
-    fn connect_info(_: IncomingStream<'_, TcpListener>) -> Self {
-        Peer::Tcp
-    }
-}
-
-impl Connected<IncomingStream<'_, UnixListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, UnixListener>) -> Self {
-        let pidfd_inode =
-            nix::sys::socket::getsockopt(stream.io(), nix::sys::socket::sockopt::PeerPidfd)
-                .ok()
-                .and_then(|fd| rustix::fs::fstat(&fd).ok())
-                .map(|st| st.st_ino);
-        match stream.io().peer_cred() {
-            Ok(cred) => Peer::Unix {
-                pid: cred.pid(),
-                uid: cred.uid(),
-                gid: cred.gid(),
-                pidfd_inode,
-            },
-            // Unknown credentials: treat as the most restricted local user.
-            Err(_) => Peer::Unix {
-                pid: None,
-                uid: u32::MAX,
-                gid: u32::MAX,
-                pidfd_inode: None,
-            },
-        }
+/// The peer of a Unix socket connection, as the kernel describes it.
+pub fn peer_of(stream: &tokio::net::UnixStream) -> Peer {
+    let pidfd_inode = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerPidfd)
+        .ok()
+        .and_then(|fd| rustix::fs::fstat(&fd).ok())
+        .map(|st| st.st_ino);
+    match stream.peer_cred() {
+        Ok(cred) => Peer::Unix {
+            pid: cred.pid(),
+            uid: cred.uid(),
+            gid: cred.gid(),
+            pidfd_inode,
+        },
+        // Unknown credentials: treat as the most restricted local user.
+        Err(_) => Peer::Unix {
+            pid: None,
+            uid: u32::MAX,
+            gid: u32::MAX,
+            pidfd_inode: None,
+        },
     }
 }
 
@@ -146,6 +135,15 @@ pub async fn guard(
     mut req: Request,
     next: Next,
 ) -> Response {
+    let head: usize = req.uri().to_string().len()
+        + req
+            .headers()
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len() + 4)
+            .sum::<usize>();
+    if head > super::HEAD_LIMIT {
+        return ApiError::HeadersTooLarge.into_response();
+    }
     if peer == Peer::Tcp
         && state.access.tcp_loopback
         && !loopback_request_allowed(req.headers(), &state.access.allowed_hosts)

@@ -58,6 +58,7 @@ pub enum ApiError {
     Forbidden(String),
     NotFound(String),
     PayloadTooLarge,
+    HeadersTooLarge,
     UnsupportedMediaType,
     MethodNotAllowed,
     Validation { field: String, detail: String },
@@ -282,6 +283,12 @@ impl IntoResponse for ApiError {
                 "payload_too_large",
                 "Payload too large",
                 "the request body is over the limit".into(),
+            ),
+            Self::HeadersTooLarge => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "headers_too_large",
+                "Request headers too large",
+                "the request line and headers are over 16 KiB".into(),
             ),
             Self::UnsupportedMediaType => (
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,

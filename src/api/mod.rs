@@ -31,6 +31,8 @@ use error::ApiError;
 
 /// Request bodies over this are refused with 413.
 pub const BODY_LIMIT: usize = 64 * 1024;
+/// Request lines plus headers over this are refused with 431.
+pub const HEAD_LIMIT: usize = 16 * 1024;
 
 #[derive(Clone)]
 pub struct AppState {

@@ -240,3 +240,62 @@ async fn duplicate_members_and_deep_nesting_are_refused() {
     assert_eq!(r.status.as_u16() / 100, 4, "{}", r.body);
     assert_eq!(s.get("/v1/leases?state=all").await.body["items"], json!([]));
 }
+
+#[tokio::test]
+async fn oversized_heads_are_431() {
+    let s = Server::start().await;
+    let res = s
+        .client
+        .get(s.url("/v1/leases"))
+        .header("x-pad", "p".repeat(20_000))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(res.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    let body: serde_json::Value = res.json().await.expect("json");
+    assert_eq!(body["code"], "headers_too_large");
+    let ok = s
+        .client
+        .get(s.url("/v1/leases"))
+        .header("x-pad", "p".repeat(8_000))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(ok.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn past_the_connection_cap_the_answer_is_503_busy_not_a_hang() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Server::start_with(&["--max-connections", "2"]).await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    // Two idle connections take the two places.
+    let held_a = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let held_b = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let mut third = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    third
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .expect("write");
+    let mut answer = String::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        third.read_to_string(&mut answer),
+    )
+    .await
+    .expect("answered at once, not left hanging")
+    .expect("read");
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer.contains("\"code\":\"busy\"")
+            && answer.to_ascii_lowercase().contains("retry-after: 1"),
+        "{answer}"
+    );
+    drop((held_a, held_b));
+}
