@@ -21,6 +21,7 @@ use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::timeout::TimeoutLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 
@@ -31,6 +32,8 @@ use error::ApiError;
 
 /// Request bodies over this are refused with 413.
 pub const BODY_LIMIT: usize = 64 * 1024;
+/// A request that takes longer is answered 408 (SSE streams are not cut).
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(660);
 /// Request lines plus headers over this are refused with 431.
 pub const HEAD_LIMIT: usize = 16 * 1024;
 
@@ -94,6 +97,11 @@ pub fn router(state: AppState) -> Router {
         .layer(middleware::from_fn_with_state(state.clone(), auth::guard))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        // Longer than the longest wait (60 s) plus a stop's grace and kill.
+        .layer(TimeoutLayer::with_status_code(
+            axum::http::StatusCode::REQUEST_TIMEOUT,
+            REQUEST_TIMEOUT,
+        ))
         .layer(CatchPanicLayer::custom(|_| {
             ApiError::Internal("a request handler panicked".into()).into_response()
         }))
