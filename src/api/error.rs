@@ -36,8 +36,10 @@ pub struct Problem {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<LeaseView>)]
     pub holder: Option<Value>,
+    /// The record as it is now (`fenced`, `not_reserved`, `process_alive`,
+    /// `identity_mismatch`, ...): a Lease, a Process or a PortReservation.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<LeaseView>)]
+    #[schema(value_type = Option<Object>)]
     pub current: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<LeaseView>)]
