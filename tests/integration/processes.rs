@@ -386,10 +386,20 @@ async fn stop_kills_a_group_whose_leader_ignores_sigterm_grandchildren_included(
         started.elapsed() >= Duration::from_millis(300),
         "TERM was ignored for the grace period"
     );
-    for pid in members {
+    for pid in members.iter().copied() {
         assert!(!alive(pid), "{pid} survived the stop");
     }
     assert!(group_members(pgid).is_empty());
+    // The grandchildren were orphaned by the shell and inherited by the
+    // server (a child subreaper), which reaps them: no zombie is left.
+    let server = crate::support::server_pid(&s);
+    let reaped = until(Duration::from_secs(5), || {
+        members
+            .iter()
+            .all(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+    })
+    .await;
+    assert!(reaped, "zombies left under server {server}");
 }
 
 #[tokio::test]
