@@ -86,8 +86,8 @@ async fn list_events(
 ) -> Result<Response, ApiError> {
     let mut after = q.after.unwrap_or(0);
     validate::in_range("after", after, 0..=i64::MAX)?;
-    let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
-    validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
+    let limit = q.limit.unwrap_or(super::paging::DEFAULT_LIMIT);
+    validate::in_range("limit", limit, 1..=super::paging::MAX_LIMIT)?;
     let wait_ms = q.wait_ms.unwrap_or(0);
     validate::in_range("wait_ms", wait_ms, validate::WAIT_MS)?;
     let limit = u32::try_from(limit).unwrap_or(1000);

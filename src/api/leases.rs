@@ -17,6 +17,7 @@ use super::auth::{Caller, Peer};
 use super::error::{ApiError, Problem};
 use super::extract::{Body, Params};
 use super::owner::{OwnerSpec, resolve_owner};
+use super::paging;
 use super::validate::{self, NAME_MAX, RESOURCE_MAX, TTL_MS, WAIT_MS};
 use crate::leases::{Acquire, Reclaimed};
 use crate::model::{LeaseFilter, LeaseView, StateFilter};
@@ -131,9 +132,6 @@ pub struct LeaseList {
     pub next_cursor: Option<String>,
 }
 
-pub const DEFAULT_LIMIT: i64 = 100;
-pub const MAX_LIMIT: i64 = 1000;
-
 fn view(state: &AppState, rec: crate::model::LeaseRecord) -> LeaseView {
     let owner = rec.owner.as_ref().map(|o| state.leases.host().judge(o));
     LeaseView::new(rec, owner, crate::time::now_ms())
@@ -241,35 +239,18 @@ async fn list(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<LeaseList>, ApiError> {
-    let limit = q.limit.unwrap_or(DEFAULT_LIMIT);
-    validate::in_range("limit", limit, 1..=MAX_LIMIT)?;
-    let before_id = match q.cursor {
-        Some(c) => Some(
-            uuid::Uuid::parse_str(&c)
-                .map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave"))?
-                .hyphenated()
-                .to_string(),
-        ),
-        None => None,
-    };
+    let page = paging::page(q.limit, q.cursor, paging::id_cursor)?;
     let filter = LeaseFilter {
         resource: q.resource,
         prefix: q.prefix,
         holder: q.holder,
         parent: q.parent,
         state: q.state.unwrap_or_default(),
-        // One more than asked tells whether there is a next page.
-        limit: u32::try_from(limit + 1).unwrap_or(u32::MAX),
-        before_id,
+        limit: page.fetch,
+        before_id: page.after,
     };
-    let mut recs = state.store.backend().list_leases(&filter).await?;
-    let more = recs.len() > usize::try_from(limit).unwrap_or(usize::MAX);
-    recs.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-    let next_cursor = if more {
-        recs.last().map(|r| r.id.clone())
-    } else {
-        None
-    };
+    let recs = state.store.backend().list_leases(&filter).await?;
+    let (recs, next_cursor) = paging::finish(recs, page.limit, |r| r.id.clone());
     let items = recs.into_iter().map(|r| view(&state, r)).collect();
     Ok(Json(LeaseList { items, next_cursor }))
 }

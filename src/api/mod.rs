@@ -7,6 +7,7 @@ mod events;
 pub mod extract;
 mod leases;
 mod owner;
+mod paging;
 mod ports;
 mod processes;
 mod service;

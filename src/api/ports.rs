@@ -14,6 +14,7 @@ use utoipa_axum::routes;
 use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{Body, Params};
+use super::paging;
 use super::validate;
 use crate::model::{PortOwner, PortRecord, TokenRef};
 
@@ -163,28 +164,17 @@ async fn list(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<PortList>, ApiError> {
-    let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
-    validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
-    let after = match q.cursor {
-        Some(c) => c
-            .parse::<u16>()
-            .map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave"))?,
-        None => 0,
-    };
-    let fetch = u32::try_from(limit + 1).unwrap_or(u32::MAX);
-    let mut items = state
+    let page = paging::page(q.limit, q.cursor, |c| c.parse::<u16>().ok())?;
+    let items = state
         .store
         .backend()
-        .list_ports(Some(&state.ports.host_id()), after, fetch)
+        .list_ports(
+            Some(&state.ports.host_id()),
+            page.after.unwrap_or(0),
+            page.fetch,
+        )
         .await?;
-    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-    let more = items.len() > limit;
-    items.truncate(limit);
-    let next_cursor = if more {
-        items.last().map(|p| p.port.to_string())
-    } else {
-        None
-    };
+    let (items, next_cursor) = paging::finish(items, page.limit, |p| p.port.to_string());
     Ok(Json(PortList { items, next_cursor }))
 }
 

@@ -17,6 +17,7 @@ use super::auth::Caller;
 use super::error::{ApiError, Problem};
 use super::extract::{Body, Params};
 use super::owner::{OwnerSpec, resolve_owner};
+use super::paging;
 use super::validate::{self, NAME_MAX, TTL_MS};
 use crate::model::{Command, ProcessFilter, ProcessState, ProcessView, StateFilter, TokenRef};
 use crate::processes::stop::StopParams;
@@ -263,32 +264,17 @@ async fn list(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<ProcessList>, ApiError> {
-    let limit = q.limit.unwrap_or(super::leases::DEFAULT_LIMIT);
-    validate::in_range("limit", limit, 1..=super::leases::MAX_LIMIT)?;
-    let before_id = q
-        .cursor
-        .map(|c| {
-            validate::id("cursor", &c)
-                .map_err(|_| ApiError::validation("cursor", "cursor is not one this server gave"))
-        })
-        .transpose()?;
+    let page = paging::page(q.limit, q.cursor, paging::id_cursor)?;
     let filter = ProcessFilter {
         state: q.state.unwrap_or_default(),
         kind: q.kind,
         operation_id: q.operation_id,
         lease: q.lease,
-        limit: u32::try_from(limit + 1).unwrap_or(u32::MAX),
-        before_id,
+        limit: page.fetch,
+        before_id: page.after,
     };
-    let mut recs = state.store.backend().list_processes(&filter).await?;
-    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-    let more = recs.len() > limit;
-    recs.truncate(limit);
-    let next_cursor = if more {
-        recs.last().map(|r| r.id.clone())
-    } else {
-        None
-    };
+    let recs = state.store.backend().list_processes(&filter).await?;
+    let (recs, next_cursor) = paging::finish(recs, page.limit, |r| r.id.clone());
     let mut items = Vec::with_capacity(recs.len());
     for rec in recs {
         items.push(state.processes.with_ports(rec).await?);

@@ -5,6 +5,7 @@
 pub mod ops;
 pub mod rules;
 
+use crate::store::in_tx;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,7 +19,6 @@ use crate::model::{Identity, LeaseView, Liveness};
 use crate::store::{Store, StoreError};
 use crate::time::now_ms;
 use crate::waiters::Waiters;
-use ops::Ctx;
 
 /// What an acquirer asks for, validated.
 #[derive(Debug, Clone)]
@@ -86,24 +86,6 @@ pub struct Leases {
     metrics: Arc<Metrics>,
 }
 
-macro_rules! run {
-    ($self:ident, $durable:expr, |$tx:ident, $cx:ident| $body:expr) => {{
-        let host = $self.host.clone();
-        $self
-            .store
-            .write($durable, move |$tx| {
-                Box::pin(async move {
-                    let $cx = Ctx {
-                        host: host.as_ref(),
-                        now: now_ms(),
-                    };
-                    $body.await
-                })
-            })
-            .await
-    }};
-}
-
 impl Leases {
     pub fn new(
         store: Store,
@@ -125,7 +107,7 @@ impl Leases {
     }
 
     async fn try_acquire(&self, cmd: Acquire) -> Result<Outcome<Acquired>, StoreError> {
-        let out = run!(self, true, |tx, cx| ops::acquire(tx, cx, cmd))?;
+        let out = in_tx!(self, true, |tx, cx| ops::acquire(tx, cx, cmd))?;
         match &out {
             Ok(a) => {
                 self.metrics
@@ -187,7 +169,7 @@ impl Leases {
     ) -> Result<LeaseView, Error> {
         // Renewals need not reach the disk one by one (see store::sqlite).
         let durable = !self.store.backend().relaxed_renewals();
-        let out = run!(self, durable, |tx, cx| ops::renew(
+        let out = in_tx!(self, durable, |tx, cx| ops::renew(
             tx, cx, &id, token, ttl_ms
         ))?;
         self.finish(out)
@@ -199,14 +181,14 @@ impl Leases {
         token: i64,
         owner: Option<Identity>,
     ) -> Result<LeaseView, Error> {
-        let out = run!(self, true, |tx, cx| ops::activate(
+        let out = in_tx!(self, true, |tx, cx| ops::activate(
             tx, cx, &id, token, owner
         ))?;
         self.finish(out)
     }
 
     pub async fn release(&self, id: String, token: i64) -> Result<LeaseView, Error> {
-        let out = run!(self, true, |tx, cx| ops::release(tx, cx, &id, token))?;
+        let out = in_tx!(self, true, |tx, cx| ops::release(tx, cx, &id, token))?;
         self.finish(out)
     }
 
@@ -216,7 +198,7 @@ impl Leases {
         reason: String,
         by: String,
     ) -> Result<LeaseView, Error> {
-        let out = run!(self, true, |tx, cx| ops::break_lease(
+        let out = in_tx!(self, true, |tx, cx| ops::break_lease(
             tx, cx, &id, reason, by
         ))?;
         self.finish(out)
@@ -224,7 +206,7 @@ impl Leases {
 
     /// The reconciler's pass over one lease; Some when it ended it.
     pub async fn reconcile(&self, id: String) -> Result<Option<LeaseView>, StoreError> {
-        let ended = run!(self, true, |tx, cx| ops::reconcile(tx, cx, &id))?;
+        let ended = in_tx!(self, true, |tx, cx| ops::reconcile(tx, cx, &id))?;
         if let Some(l) = &ended {
             self.metrics
                 .ended_by_reconciler(l.end_reason.as_deref().unwrap_or(""));

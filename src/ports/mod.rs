@@ -3,6 +3,7 @@
 
 pub mod ops;
 
+use crate::store::in_tx;
 use std::ops::RangeInclusive;
 
 /// Where ports are looked for when the caller gives no range.
@@ -46,24 +47,6 @@ pub struct Ports {
     host: std::sync::Arc<dyn crate::host::Host>,
 }
 
-macro_rules! run {
-    ($self:ident, |$tx:ident, $cx:ident| $body:expr) => {{
-        let host = $self.host.clone();
-        $self
-            .store
-            .write(true, move |$tx| {
-                Box::pin(async move {
-                    let $cx = crate::leases::ops::Ctx {
-                        host: host.as_ref(),
-                        now: crate::time::now_ms(),
-                    };
-                    $body.await
-                })
-            })
-            .await
-    }};
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
@@ -88,7 +71,7 @@ impl Ports {
         range: RangeInclusive<u16>,
     ) -> Result<Vec<crate::model::PortRecord>, Error> {
         let host_id = self.host_id();
-        run!(self, |tx, cx| ops::reserve(
+        in_tx!(self, true, |tx, cx| ops::reserve(
             tx, cx, &host_id, owner, names, range
         ))?
         .map_err(Error::Port)
@@ -96,6 +79,9 @@ impl Ports {
 
     pub async fn release(&self, port: u16, token: i64) -> Result<crate::model::PortRecord, Error> {
         let host_id = self.host_id();
-        run!(self, |tx, cx| ops::release(tx, cx, &host_id, port, token))?.map_err(Error::Port)
+        in_tx!(self, true, |tx, cx| ops::release(
+            tx, cx, &host_id, port, token
+        ))?
+        .map_err(Error::Port)
     }
 }

@@ -5,6 +5,7 @@
 pub mod ops;
 pub mod stop;
 
+use crate::store::in_tx;
 use std::collections::{BTreeMap, HashSet};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
@@ -15,12 +16,10 @@ use crate::caller::{Caller, Peer};
 use crate::host::Host;
 use crate::host::signal::{self, OwnIds, Verified};
 use crate::host::spawn::{Reaper, SpawnSpec, check_program};
-use crate::leases::ops::Ctx;
 use crate::model::{
     Command, Exit, Identity, Logs, ProcessRecord, ProcessState, ProcessView, TokenRef,
 };
 use crate::store::{Store, StoreError};
-use crate::time::now_ms;
 use ops::{Create, ProcError, StopStart, Stopped};
 use stop::{StopParams, stop_tree};
 
@@ -69,24 +68,6 @@ pub struct Processes {
     claiming: Mutex<HashSet<String>>,
     /// Orphans whose `kill_failed` was reported already.
     kill_failed: Mutex<HashSet<String>>,
-}
-
-macro_rules! run {
-    ($self:ident, $durable:expr, |$tx:ident, $cx:ident| $body:expr) => {{
-        let host = $self.host.clone();
-        $self
-            .store
-            .write($durable, move |$tx| {
-                Box::pin(async move {
-                    let $cx = Ctx {
-                        host: host.as_ref(),
-                        now: now_ms(),
-                    };
-                    $body.await
-                })
-            })
-            .await
-    }};
 }
 
 impl Processes {
@@ -167,7 +148,7 @@ impl Processes {
             port_range,
         };
         let host_id = self.host_id();
-        let (rec, ports) = run!(self, true, |tx, cx| ops::create(tx, cx, &host_id, create))??;
+        let (rec, ports) = in_tx!(self, true, |tx, cx| ops::create(tx, cx, &host_id, create))??;
         let (Some(cmd), Some(logs)) = (req.command, logs) else {
             return Ok(self.view(rec, ports));
         };
@@ -198,7 +179,7 @@ impl Processes {
             Ok((Err(e), _)) => {
                 let reason = format!("spawn_failed: cannot read the child's identity: {e}");
                 let failed_id = id.clone();
-                run!(self, true, |tx, cx| ops::spawn_failed(
+                in_tx!(self, true, |tx, cx| ops::spawn_failed(
                     tx, cx, &failed_id, reason
                 ))?;
                 return Err(Error::Unverifiable(e.to_string()));
@@ -206,7 +187,7 @@ impl Processes {
             Err(e) => {
                 let reason = format!("spawn_failed: {e}");
                 let failed_id = id.clone();
-                run!(self, true, |tx, cx| ops::spawn_failed(
+                in_tx!(self, true, |tx, cx| ops::spawn_failed(
                     tx, cx, &failed_id, reason
                 ))?;
                 return Err(Error::Invalid {
@@ -217,7 +198,7 @@ impl Processes {
         };
         let pid = identity.pid;
         let started_id = id.clone();
-        let view = run!(self, true, |tx, cx| ops::started(
+        let view = in_tx!(self, true, |tx, cx| ops::started(
             tx,
             cx,
             &started_id,
@@ -234,7 +215,7 @@ impl Processes {
 
     async fn record_exit(&self, id: String, pid: i32, exit: Exit) {
         let pid_id = id.clone();
-        let res = run!(self, true, |tx, cx| ops::exited(
+        let res = in_tx!(self, true, |tx, cx| ops::exited(
             tx, cx, &pid_id, pid, exit, "exited"
         ));
         if let Err(e) = res {
@@ -310,7 +291,7 @@ impl Processes {
             // Only a group the process leads is ever signalled.
             ident.pgid = ident.pgid.filter(|g| *g != pid);
         }
-        let view = run!(self, true, |tx, cx| ops::confirm(tx, cx, &id, token, ident))??;
+        let view = in_tx!(self, true, |tx, cx| ops::confirm(tx, cx, &id, token, ident))??;
         if let Some(rec) = self.store.backend().get_process(&view.id).await? {
             self.watch(&rec);
         }
@@ -324,7 +305,7 @@ impl Processes {
         ttl_ms: Option<i64>,
     ) -> Result<ProcessView, Error> {
         let durable = !self.store.backend().relaxed_renewals();
-        Ok(run!(self, durable, |tx, cx| ops::heartbeat(
+        Ok(in_tx!(self, durable, |tx, cx| ops::heartbeat(
             tx, cx, &id, token, ttl_ms
         ))??)
     }
@@ -347,7 +328,7 @@ impl Processes {
         }
         let (own, host_id) = (self.own, self.host_id());
         let sid = id.clone();
-        let start = run!(self, true, |tx, cx| ops::begin_stop(
+        let start = in_tx!(self, true, |tx, cx| ops::begin_stop(
             tx, cx, &sid, token, own, &host_id
         ))??;
         let rec = match start {
@@ -356,7 +337,7 @@ impl Processes {
         };
         let outcome = stop_tree(self.host.as_ref(), &rec, &params).await;
         let reason = Some(params.reason);
-        Ok(run!(self, true, |tx, cx| ops::end_stop(
+        Ok(in_tx!(self, true, |tx, cx| ops::end_stop(
             tx, cx, &id, rec.token, outcome, reason
         ))??)
     }
@@ -369,7 +350,7 @@ impl Processes {
         reason: Option<String>,
         exit_code: Option<i32>,
     ) -> Result<ProcessView, Error> {
-        Ok(run!(self, true, |tx, cx| ops::finish(
+        Ok(in_tx!(self, true, |tx, cx| ops::finish(
             tx, cx, &id, token, state, reason, exit_code
         ))??)
     }
@@ -385,7 +366,7 @@ impl Processes {
         {
             if rec.state == ProcessState::Stopping {
                 let id = rec.id.clone();
-                run!(self, true, |tx, _cx| ops::resume(tx, &id))?;
+                in_tx!(self, true, |tx, _cx| ops::resume(tx, &id))?;
             }
             if rec.identity.is_some()
                 && matches!(rec.state, ProcessState::Running | ProcessState::Stopping)
@@ -418,7 +399,7 @@ impl Processes {
                 Some(rec)
             } else {
                 let id = rec.id.clone();
-                let c = run!(self, true, |tx, cx| ops::claim(tx, cx, &id))?;
+                let c = in_tx!(self, true, |tx, cx| ops::claim(tx, cx, &id))?;
                 claimed += usize::from(c.is_some());
                 c
             };
@@ -449,7 +430,7 @@ impl Processes {
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .insert(rec.id.clone());
-            if let Err(e) = run!(me, true, |tx, cx| ops::end_orphan(
+            if let Err(e) = in_tx!(me, true, |tx, cx| ops::end_orphan(
                 tx,
                 cx,
                 &id,
@@ -467,10 +448,5 @@ impl Processes {
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(&rec.id);
         });
-    }
-
-    /// Whether `path` is one of this server's log files (guards the logs endpoint).
-    pub fn owns_log(&self, path: &Path) -> bool {
-        path.starts_with(&self.logs_dir)
     }
 }

@@ -188,6 +188,20 @@ pub fn extend_current_ttls(conn: &Connection, now: Millis) -> Result<usize> {
     conn.execute(&sql, [now]).map_err(map_err)
 }
 
+/// Append ` AND <clause>` for each filter that has a value; `?N` in a
+/// clause names that value's parameter. Returns the values, in order.
+pub fn push_filters<'a>(sql: &mut String, filters: &[(&'a Option<String>, &str)]) -> Vec<&'a str> {
+    let mut args = Vec::new();
+    for (value, clause) in filters {
+        if let Some(v) = value {
+            args.push(v.as_str());
+            sql.push_str(" AND ");
+            sql.push_str(&clause.replace("?N", &format!("?{}", args.len())));
+        }
+    }
+    args
+}
+
 pub fn list_leases(conn: &Connection, f: &LeaseFilter) -> Result<Vec<LeaseRecord>> {
     let mut sql = format!("SELECT {COLS} FROM leases WHERE 1 = 1");
     match f.state {
@@ -195,23 +209,17 @@ pub fn list_leases(conn: &Connection, f: &LeaseFilter) -> Result<Vec<LeaseRecord
         StateFilter::Ended => sql.push_str(&format!(" AND NOT {CURRENT}")),
         StateFilter::All => {}
     }
-    let mut args: Vec<&str> = Vec::new();
-    // Each condition names its argument by number: `?N` is the N-th pushed.
-    let filters = [
-        (&f.resource, "resource = ?N"),
-        // substr, not LIKE: the prefix matches literally, `%` and `_` included.
-        (&f.prefix, "substr(resource, 1, length(?N)) = ?N"),
-        (&f.holder, "holder = ?N"),
-        (&f.parent, "parent_id = ?N"),
-        (&f.before_id, "id < ?N"),
-    ];
-    for (value, clause) in filters {
-        if let Some(v) = value {
-            args.push(v);
-            sql.push_str(" AND ");
-            sql.push_str(&clause.replace("?N", &format!("?{}", args.len())));
-        }
-    }
+    let args = push_filters(
+        &mut sql,
+        &[
+            (&f.resource, "resource = ?N"),
+            // substr, not LIKE: the prefix matches literally, `%` and `_` included.
+            (&f.prefix, "substr(resource, 1, length(?N)) = ?N"),
+            (&f.holder, "holder = ?N"),
+            (&f.parent, "parent_id = ?N"),
+            (&f.before_id, "id < ?N"),
+        ],
+    );
     sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
     leases(conn, &sql, rusqlite::params_from_iter(args))
 }

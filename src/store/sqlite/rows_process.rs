@@ -202,20 +202,15 @@ pub fn list_processes(conn: &Connection, f: &ProcessFilter) -> Result<Vec<Proces
         StateFilter::Ended => sql.push_str(&format!(" AND NOT {CURRENT}")),
         StateFilter::All => {}
     }
-    let mut args: Vec<&str> = Vec::new();
-    let filters = [
-        (&f.kind, "kind = ?N"),
-        (&f.operation_id, "operation_id = ?N"),
-        (&f.lease, "lease_id = ?N"),
-        (&f.before_id, "id < ?N"),
-    ];
-    for (value, clause) in filters {
-        if let Some(v) = value {
-            args.push(v);
-            sql.push_str(" AND ");
-            sql.push_str(&clause.replace("?N", &format!("?{}", args.len())));
-        }
-    }
+    let args = super::rows::push_filters(
+        &mut sql,
+        &[
+            (&f.kind, "kind = ?N"),
+            (&f.operation_id, "operation_id = ?N"),
+            (&f.lease, "lease_id = ?N"),
+            (&f.before_id, "id < ?N"),
+        ],
+    );
     sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
     processes(conn, &sql, rusqlite::params_from_iter(args))
 }
