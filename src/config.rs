@@ -64,6 +64,7 @@ pub struct Config {
     pub data_dir: Option<PathBuf>,
 
     /// Store URL: sqlite://PATH. Default: sqlite://<data-dir>/holdfast.db.
+    /// (HOLDFAST_DATABASE is read too.)
     #[arg(long, env = "HOLDFAST_DATABASE_URL")]
     pub database: Option<String>,
 
@@ -215,7 +216,9 @@ impl Config {
     }
 
     pub fn database(&self) -> Result<Database, String> {
-        let Some(url) = &self.database else {
+        // HOLDFAST_DATABASE is accepted too: the flag is --database.
+        let fallback = std::env::var("HOLDFAST_DATABASE").ok().filter(|v| !v.is_empty());
+        let Some(url) = self.database.as_ref().or(fallback.as_ref()) else {
             return Ok(Database::Sqlite(self.data_dir().join("holdfast.db")));
         };
         if let Some(path) = url
