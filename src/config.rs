@@ -217,7 +217,9 @@ impl Config {
 
     pub fn database(&self) -> Result<Database, String> {
         // HOLDFAST_DATABASE is accepted too: the flag is --database.
-        let fallback = std::env::var("HOLDFAST_DATABASE").ok().filter(|v| !v.is_empty());
+        let fallback = std::env::var("HOLDFAST_DATABASE")
+            .ok()
+            .filter(|v| !v.is_empty());
         let Some(url) = self.database.as_ref().or(fallback.as_ref()) else {
             return Ok(Database::Sqlite(self.data_dir().join("holdfast.db")));
         };
