@@ -228,6 +228,7 @@ async fn get_lease(
 
 /// List leases, newest first.
 #[utoipa::path(
+    operation_id = "list_leases",
     get, path = "/v1/leases", tag = "leases",
     params(ListQuery),
     responses(
@@ -309,6 +310,7 @@ async fn activate(
 
 /// Release a lease. Releasing it again with the same token answers 200 again.
 #[utoipa::path(
+    operation_id = "release_lease",
     post, path = "/v1/leases/{id}/release", tag = "leases",
     params(("id" = String, Path, description = "Lease id")),
     request_body = ReleaseRequest,

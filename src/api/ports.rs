@@ -156,6 +156,7 @@ async fn reserve(
 
 /// Current reservations, lowest port first.
 #[utoipa::path(
+    operation_id = "list_ports",
     get, path = "/v1/ports", tag = "ports",
     params(ListQuery),
     responses((status = 200, body = PortList))
@@ -180,6 +181,7 @@ async fn list(
 
 /// Release a reservation with its owner's token.
 #[utoipa::path(
+    operation_id = "release_port",
     post, path = "/v1/ports/{port}/release", tag = "ports",
     params(("port" = u16, Path, description = "The reserved port")),
     request_body = ReleaseRequest,

@@ -253,6 +253,7 @@ async fn get_process(
 
 /// List processes, newest first.
 #[utoipa::path(
+    operation_id = "list_processes",
     get, path = "/v1/processes", tag = "processes",
     params(ListQuery),
     responses(
