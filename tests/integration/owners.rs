@@ -221,3 +221,52 @@ async fn reused_owner_pid_is_dead_pid_reused_and_taken_over() {
     let _ = impostor.start_kill();
     let _ = impostor.wait().await;
 }
+
+#[tokio::test]
+async fn an_owner_on_another_host_falls_back_to_the_ttl() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let owner = Proc::sleep();
+    let a = Server::start_in(
+        dir.path(),
+        &["--host-id", "host-a", "--reconcile-interval-ms", "3600000"],
+    )
+    .await;
+    let pid = owner.pid();
+    let no_ttl = a
+        .acquire(json!({"resource": "remote/none", "holder": "a", "owner": {"pid": pid}}))
+        .await
+        .body;
+    let ttl = a
+        .acquire(
+            json!({"resource": "remote/ttl", "holder": "a", "owner": {"pid": pid}, "ttl_ms": 1000}),
+        )
+        .await
+        .body;
+    a.kill9().await;
+
+    // The same store seen from "host-b": those owners are remote now.
+    let b = Server::start_in(
+        dir.path(),
+        &["--host-id", "host-b", "--reconcile-interval-ms", "3600000"],
+    )
+    .await;
+    let seen = b.lease(no_ttl["id"].as_str().expect("id")).await;
+    assert_eq!(seen["owner_status"], "remote");
+    let r = b
+        .acquire(json!({"resource": "remote/none", "holder": "b", "ttl_ms": 5000}))
+        .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::CONFLICT, "owner_remote"),
+        "no TTL that could expire"
+    );
+    // Within its TTL the remote lease is held; past it, it is taken over as expired.
+    let r = b
+        .acquire(
+            json!({"resource": "remote/ttl", "holder": "b", "ttl_ms": 5000, "wait_ms": 10_000}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(r.body["reclaimed"]["id"], ttl["id"]);
+    assert_eq!(r.body["reclaimed"]["reason"], "ttl_expired");
+}
