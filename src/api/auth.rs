@@ -15,8 +15,7 @@ use crate::config::Tokens;
 pub fn peer_of(stream: &tokio::net::UnixStream) -> Peer {
     let pidfd_inode = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerPidfd)
         .ok()
-        .and_then(|fd| rustix::fs::fstat(&fd).ok())
-        .map(|st| st.st_ino);
+        .and_then(|fd| crate::host::identity::pidfs_inode(&fd));
     match stream.peer_cred() {
         Ok(cred) => Peer::Unix {
             pid: cred.pid(),

@@ -110,21 +110,24 @@ impl Stat {
     }
 }
 
+/// The inode of a pidfd, when it is on pidfs (Linux 6.9 and later): only
+/// there is it unique per process.
+pub fn pidfs_inode(fd: &impl std::os::fd::AsFd) -> Option<u64> {
+    let on_pidfs = rustix::fs::fstatfs(fd)
+        .is_ok_and(|s| u64::try_from(s.f_type).is_ok_and(|t| t == PIDFS_MAGIC));
+    if !on_pidfs {
+        return None;
+    }
+    rustix::fs::fstat(fd).ok().map(|st| st.st_ino)
+}
+
 /// The pidfs inode of a pidfd for `pid`, or None where there is no pidfs.
 fn pidfd_inode(pid: i32) -> Result<Option<String>, ObserveError> {
     let Some(p) = Pid::from_raw(pid) else {
         return Err(ObserveError::NotFound(pid));
     };
     match pidfd_open(p, PidfdFlags::empty()) {
-        Ok(fd) => {
-            let on_pidfs = rustix::fs::fstatfs(&fd)
-                .is_ok_and(|s| u64::try_from(s.f_type).is_ok_and(|t| t == PIDFS_MAGIC));
-            if !on_pidfs {
-                return Ok(None);
-            }
-            let st = rustix::fs::fstat(&fd).map_err(|e| map_io(pid, e.into()))?;
-            Ok(Some(st.st_ino.to_string()))
-        }
+        Ok(fd) => Ok(pidfs_inode(&fd).map(|i| i.to_string())),
         Err(rustix::io::Errno::SRCH) => Err(ObserveError::NotFound(pid)),
         Err(rustix::io::Errno::NOSYS | rustix::io::Errno::INVAL) => Ok(None),
         Err(e) => Err(map_io(pid, e.into())),
