@@ -19,6 +19,9 @@ pub enum Verified {
     Absent,
     /// The pid now belongs to another process: signal nothing.
     Reused,
+    /// Recorded on another boot, PID namespace or host: its pid and group
+    /// numbers name nothing here, so nothing is signalled, group included.
+    Foreign,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +49,13 @@ impl Sig {
 /// process. The check happens after the open, so a later signal through the
 /// pidfd reaches the process that was checked, never a successor.
 pub fn verify(host: &dyn Host, recorded: &Identity) -> Result<Verified, ObserveError> {
+    let local = host.local();
+    if recorded.boot_id != local.boot_id
+        || recorded.pid_ns != local.pid_ns
+        || recorded.host_id != local.host_id
+    {
+        return Ok(Verified::Foreign);
+    }
     let Some(pid) = Pid::from_raw(recorded.pid) else {
         return Ok(Verified::Absent);
     };

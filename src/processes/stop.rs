@@ -73,6 +73,14 @@ fn send(host: &dyn Host, ident: &Identity, pgid: Option<i32>, sig: Sig, reason: 
             }
             None => Sent::Gone,
         },
+        Ok(Verified::Foreign) => {
+            tracing::warn!(
+                pid = ident.pid,
+                reason,
+                "process recorded on another boot or host: nothing signalled"
+            );
+            Sent::Gone
+        }
         Ok(Verified::Reused) => {
             tracing::warn!(pid = ident.pid, start_time = %ident.start_time, reason, "pid reused by another process: nothing signalled");
             Sent::Reused
@@ -85,7 +93,12 @@ fn send(host: &dyn Host, ident: &Identity, pgid: Option<i32>, sig: Sig, reason: 
 }
 
 fn gone(host: &dyn Host, ident: &Identity, pgid: Option<i32>) -> bool {
-    let leader_gone = !matches!(signal::verify(host, ident), Ok(Verified::Same(_)));
+    // Only a definite answer counts: a verify that fails (EMFILE, EPERM)
+    // leaves the leader possibly alive.
+    let leader_gone = matches!(
+        signal::verify(host, ident),
+        Ok(Verified::Absent | Verified::Reused | Verified::Foreign)
+    );
     leader_gone && !pgid.is_some_and(signal::group_alive)
 }
 

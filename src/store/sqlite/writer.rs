@@ -47,6 +47,16 @@ fn exec(conn: &Connection, sql: &str) -> Result<()> {
     conn.execute_batch(sql).map_err(super::map_err)
 }
 
+/// The lock if it is free; a poisoned lock is taken over, since every job
+/// runs inside a transaction that a panic leaves unanswered, not half-done.
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -80,7 +90,7 @@ impl Shared {
     /// when another thread leads: it will see the job, since it checks the
     /// queue again after it lets go of the connection.
     pub fn lead_from_async(self: &Arc<Self>) {
-        let Ok(guard) = self.writer.try_lock() else {
+        let Some(guard) = try_lock(&self.writer) else {
             return;
         };
         let multi_thread = tokio::runtime::Handle::try_current()
@@ -96,7 +106,7 @@ impl Shared {
     }
 
     fn lead_blocking(self: &Arc<Self>) {
-        if let Ok(guard) = self.writer.try_lock() {
+        if let Some(guard) = try_lock(&self.writer) {
             self.lead(guard);
         }
     }
@@ -129,9 +139,9 @@ impl Shared {
             }
             // A job arrived after the last batch was taken: lead again
             // unless someone else already does.
-            match self.writer.try_lock() {
-                Ok(g) => guard = g,
-                Err(_) => return,
+            match try_lock(&self.writer) {
+                Some(g) => guard = g,
+                None => return,
             }
         }
     }
@@ -204,6 +214,10 @@ impl Writer {
         // Renewals alone need not be fsynced; any durable job makes the
         // commit (and every earlier unsynced one in the WAL) durable.
         let durable = batch.iter().any(|j| j.durable);
+        if !self.conn.is_autocommit() {
+            // Left open by a leader that never finished: nothing of it was answered.
+            let _ = exec(&self.conn, "ROLLBACK");
+        }
         let begun = self
             .set_sync(durable)
             .and_then(|()| exec(&self.conn, "BEGIN IMMEDIATE"));
@@ -224,7 +238,11 @@ impl Writer {
                 effects: Vec::new(),
                 durable: false,
             };
-            let out = run_now((job.run)(&mut tx));
+            // A job that panics fails alone; the writer and its lock live on.
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run_now((job.run)(&mut tx))
+            }))
+            .unwrap_or_else(|_| Err(StoreError::Other("a store job panicked".into())));
             let (job_effects, job_durable) = (tx.effects, tx.durable);
             let kept = match (&out, single) {
                 (Ok(_), true) => true,
@@ -232,11 +250,27 @@ impl Writer {
                 (Err(_), true) => false,
                 (Err(_), false) => exec(&self.conn, "ROLLBACK TO job; RELEASE job").is_ok(),
             };
-            if out.is_ok() && kept {
+            let out = match out {
+                Ok(_) if !kept => Err(StoreError::Other(
+                    "the job's changes could not be kept".into(),
+                )),
+                other => other,
+            };
+            if out.is_ok() {
                 effects.extend(job_effects);
                 needs_sync |= job_durable;
             }
             done.push((job.reply, out));
+            // SQLite rolls the whole transaction back on some errors (disk
+            // full, I/O): then nothing of this batch may be answered as done.
+            if self.conn.is_autocommit() && !(single && done.iter().all(|(_, o)| o.is_err())) {
+                let e =
+                    StoreError::Unavailable("the transaction was rolled back by the store".into());
+                for (reply, _) in done {
+                    let _ = reply.send(Err(e.clone()));
+                }
+                return;
+            }
         }
         let outcome = if single && done.first().is_some_and(|(_, out)| out.is_err()) {
             exec(&self.conn, "ROLLBACK")
@@ -247,7 +281,13 @@ impl Writer {
             // A non-durable batch that ended a lease: make it durable before
             // answering. The sync level cannot change inside a transaction,
             // so commit one more small one at FULL, which syncs the whole WAL.
-            self.sync_wal()
+            let synced = self.sync_wal();
+            if synced.is_err() {
+                // Committed and visible, only not known to be on disk: wake
+                // the waiters, but do not answer it as durable.
+                listener.committed(&effects);
+            }
+            synced
         } else {
             Ok(())
         };
