@@ -232,8 +232,14 @@ impl Processes {
         let me = self.clone();
         let id = rec.id.clone();
         tokio::spawn(async move {
-            if let Ok(Verified::Same(fd)) = signal::verify(me.host.as_ref(), &ident) {
-                crate::host::watch::exited(fd).await;
+            match signal::verify(me.host.as_ref(), &ident) {
+                Ok(Verified::Same(fd)) => crate::host::watch::exited(fd).await,
+                Ok(_) => {}
+                // Not known to be gone: leave it to the reconciler's sweep.
+                Err(e) => {
+                    tracing::warn!(process = %id, error = %e, "cannot watch a process");
+                    return;
+                }
             }
             me.record_exit(id, ident.pid, Exit::default()).await;
         });
@@ -317,19 +323,10 @@ impl Processes {
         params: StopParams,
         caller: Caller,
     ) -> Result<ProcessView, Error> {
-        // A confirmed identity never changes, so checking it before the
-        // transaction is checking what will be signalled.
-        if let Some(rec) = self.store.backend().get_process(&id).await?
-            && let Some(ident) = &rec.identity
-        {
-            caller
-                .may_act_on(ident.uid, self.own.uid)
-                .map_err(ProcError::Forbidden)?;
-        }
         let (own, host_id) = (self.own, self.host_id());
         let sid = id.clone();
         let start = in_tx!(self, true, |tx, cx| ops::begin_stop(
-            tx, cx, &sid, token, own, &host_id
+            tx, cx, &sid, token, own, &host_id, caller
         ))??;
         let rec = match start {
             StopStart::Done(view) => return Ok(view),
@@ -368,6 +365,12 @@ impl Processes {
                 let id = rec.id.clone();
                 in_tx!(self, true, |tx, _cx| ops::resume(tx, &id))?;
             }
+            if rec.state == ProcessState::Starting && rec.spawned {
+                // The server stopped between recording and starting it.
+                let id = rec.id.clone();
+                let reason = "spawn_failed: the server restarted while spawning".to_owned();
+                in_tx!(self, true, |tx, cx| ops::spawn_failed(tx, cx, &id, reason))?;
+            }
             if rec.identity.is_some()
                 && matches!(rec.state, ProcessState::Running | ProcessState::Stopping)
             {
@@ -395,19 +398,80 @@ impl Processes {
             {
                 continue;
             }
+            if self.gone_unnoticed(&rec) {
+                // Its exit was missed (a watcher could not be set up): end it now.
+                let (id, token, pid) = (rec.id.clone(), rec.token, rec.pid().unwrap_or_default());
+                let outcome = ops::Stopped::Settled;
+                match rec.state {
+                    ProcessState::Running => {
+                        in_tx!(self, true, |tx, cx| ops::exited(
+                            tx,
+                            cx,
+                            &id,
+                            pid,
+                            Exit::default(),
+                            "exited"
+                        ))?;
+                    }
+                    _ => {
+                        in_tx!(self, true, |tx, cx| ops::end_stop(
+                            tx, cx, &id, token, outcome, None
+                        ))?
+                        .ok();
+                    }
+                }
+                continue;
+            }
             let orphan = if rec.state == ProcessState::Orphaned {
                 Some(rec)
-            } else {
+            } else if self.claimable(&rec).await? {
+                // Re-checked inside the transaction.
                 let id = rec.id.clone();
                 let c = in_tx!(self, true, |tx, cx| ops::claim(tx, cx, &id))?;
                 claimed += usize::from(c.is_some());
                 c
+            } else {
+                None
             };
             if let Some(orphan) = orphan {
                 self.stop_orphan(orphan);
             }
         }
         Ok(claimed)
+    }
+
+    /// A running or stopping record whose process and group are provably gone.
+    fn gone_unnoticed(&self, rec: &ProcessRecord) -> bool {
+        let Some(ident) = &rec.identity else {
+            return false;
+        };
+        matches!(rec.state, ProcessState::Running | ProcessState::Stopping)
+            && self.host.judge(ident).status == crate::model::Liveness::Dead
+            && !rec.pgid().is_some_and(signal::group_alive)
+    }
+
+    /// Whether `rec` looks claimable from outside a transaction: its lease
+    /// ended, or its TTL passed while its owner is not live. Cheap reads, so
+    /// that a pass writes only for records that need it.
+    async fn claimable(&self, rec: &ProcessRecord) -> Result<bool, StoreError> {
+        if !matches!(
+            rec.state,
+            ProcessState::Starting | ProcessState::Running | ProcessState::Stopping
+        ) {
+            return Ok(false);
+        }
+        if let Some(l) = &rec.lease {
+            let lease = self.store.backend().get_lease(&l.id).await?;
+            if !lease.is_some_and(|x| x.state.is_current() && x.token == l.token) {
+                return Ok(true);
+            }
+        }
+        let ttl_passed = rec.expires_at.is_some_and(|at| crate::time::now_ms() >= at);
+        let owner_live = rec
+            .owner
+            .as_ref()
+            .is_some_and(|o| self.host.judge(o).status == crate::model::Liveness::Live);
+        Ok(ttl_passed && !owner_live)
     }
 
     fn stop_orphan(self: &Arc<Self>, rec: ProcessRecord) {

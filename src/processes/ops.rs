@@ -6,6 +6,7 @@ use std::ops::RangeInclusive;
 
 use serde_json::{Value, json};
 
+use crate::caller::Caller;
 use crate::events::{Subject, append};
 use crate::host::signal::OwnIds;
 use crate::leases::ops::{Ctx, current_parent};
@@ -272,6 +273,7 @@ pub async fn begin_stop(
     token: i64,
     own: OwnIds,
     host_id: &str,
+    caller: Caller,
 ) -> Result<Outcome<StopStart>> {
     let mut rec = match fenced(tx, cx, id, token).await? {
         Ok(r) => r,
@@ -304,6 +306,12 @@ pub async fn begin_stop(
         .as_ref()
         .filter(|_| !rec.spawned)
         .and_then(|i| own.refusal(i))
+    {
+        return Ok(Err(ProcError::Forbidden(why)));
+    }
+    // Checked here, in the transaction, on the identity that will be signalled.
+    if let Some(ident) = &rec.identity
+        && let Err(why) = caller.may_act_on(ident.uid, own.uid)
     {
         return Ok(Err(ProcError::Forbidden(why)));
     }
