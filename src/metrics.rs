@@ -38,6 +38,7 @@ pub struct Metrics {
     registry: Registry,
     current_leases: Gauge,
     current_processes: Gauge,
+    lease_waiters: Gauge,
     acquisitions: Counter,
     takeovers: Family<Reason, Counter>,
     conflicts: Family<Code, Counter>,
@@ -56,6 +57,7 @@ impl Default for Metrics {
         let m = Self {
             current_leases: Gauge::default(),
             current_processes: Gauge::default(),
+            lease_waiters: Gauge::default(),
             acquisitions: Counter::default(),
             takeovers: Family::default(),
             conflicts: Family::default(),
@@ -67,6 +69,11 @@ impl Default for Metrics {
             "leases_current",
             "Current (reserved or active) leases",
             m.current_leases.clone(),
+        );
+        registry.register(
+            "lease_waiters",
+            "Acquire requests waiting for a held lease (wait_ms)",
+            m.lease_waiters.clone(),
         );
         registry.register(
             "processes_current",
@@ -154,8 +161,10 @@ impl Metrics {
     }
 
     /// The text exposition, with the current counts as counted just now.
-    pub fn render(&self, current_leases: i64, current_processes: i64) -> String {
+    pub fn render(&self, current_leases: i64, current_processes: i64, waiters: usize) -> String {
         self.current_leases.set(current_leases);
+        self.lease_waiters
+            .set(i64::try_from(waiters).unwrap_or(i64::MAX));
         self.current_processes.set(current_processes);
         let mut out = String::new();
         // Writing to a String cannot fail.

@@ -77,8 +77,13 @@ impl Waiters {
         }
     }
 
-    #[cfg(test)]
-    fn queued(&self, resource: &str) -> usize {
+    /// How many wait, over all resources.
+    pub fn total(&self) -> usize {
+        self.lock().values().map(VecDeque::len).sum()
+    }
+
+    /// How many wait for `resource` now.
+    pub fn queued(&self, resource: &str) -> usize {
         self.lock().get(resource).map_or(0, VecDeque::len)
     }
 }

@@ -58,7 +58,9 @@ async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse, Api
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state.metrics.render(leases, processes),
+        state
+            .metrics
+            .render(leases, processes, state.hub.waiters.total()),
     ))
 }
 

@@ -126,6 +126,24 @@ impl Leases {
         let mut ticket = None;
         // Held while waiting: past the cap a waiter is told `busy` at once.
         let mut permit = None;
+        if !wait.is_zero() && self.waiters.queued(&cmd.resource) > 0 {
+            // Others already wait for it: first come, first served, so take
+            // a place behind them before trying at all.
+            permit = Some(
+                self.waiting
+                    .clone()
+                    .try_acquire_owned()
+                    .map_err(|_| StoreError::Busy)?,
+            );
+            let t = ticket.insert(
+                self.waiters
+                    .enqueue(&cmd.resource, self.waiters.ends_seen()),
+            );
+            tokio::select! {
+                () = t.woken() => {}
+                () = tokio::time::sleep_until(deadline) => {}
+            }
+        }
         loop {
             let seen = self.waiters.ends_seen();
             let holder = match self.try_acquire(cmd.clone()).await? {

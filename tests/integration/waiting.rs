@@ -121,3 +121,48 @@ async fn many_waiters_each_get_the_lease_once_in_turn() {
         "every waiter got exactly one lease, no attempt lost"
     );
 }
+
+#[tokio::test]
+async fn waiters_get_the_lease_first_come_first_served() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let held = s.acquire_ok("fcfs", "first").await;
+    let mut waiters = Vec::new();
+    for i in 1..=4 {
+        let (client, url) = (s.client.clone(), s.url("/v1/leases"));
+        waiters.push(tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .json(&json!({"resource": "fcfs", "holder": format!("w{i}"), "ttl_ms": 30_000, "wait_ms": 30_000}))
+                .send()
+                .await
+                .expect("send");
+            assert_eq!(r.status(), StatusCode::CREATED);
+            r.json::<serde_json::Value>().await.expect("json")
+        }));
+        // The next one arrives only once this one is queued.
+        let queued = format!("holdfast_lease_waiters {i}");
+        s.eventually("/metrics", Duration::from_secs(10), |m| {
+            m.as_str().is_some_and(|t| t.contains(&queued))
+        })
+        .await;
+    }
+    let mut release = (held["id"].as_str().expect("id").to_owned(), 1);
+    for (i, w) in waiters.into_iter().enumerate() {
+        assert_eq!(
+            s.lease_op(&release.0, "release", json!({"token": release.1}))
+                .await
+                .status,
+            StatusCode::OK
+        );
+        let got = w.await.expect("waiter");
+        assert_eq!(
+            got["holder"],
+            format!("w{}", i + 1),
+            "served in arrival order"
+        );
+        release = (
+            got["id"].as_str().expect("id").to_owned(),
+            got["token"].as_i64().expect("token"),
+        );
+    }
+}
