@@ -108,7 +108,7 @@ impl App {
             source,
         })?;
         let ports = ports::Ports::new(store.clone(), host);
-        let state = api::AppState {
+        let state = Arc::new(api::Services {
             leases,
             processes,
             ports,
@@ -117,7 +117,7 @@ impl App {
             metrics,
             openapi: Arc::new(api::openapi_json()),
             access,
-        };
+        });
         Ok(Self { state, config })
     }
 

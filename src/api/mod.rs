@@ -38,8 +38,10 @@ pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// Request lines plus headers over this are refused with 431.
 pub const HEAD_LIMIT: usize = 16 * 1024;
 
-#[derive(Clone)]
-pub struct AppState {
+/// What every handler shares; cloned per request and middleware, hence one Arc.
+pub type AppState = Arc<Services>;
+
+pub struct Services {
     pub leases: Leases,
     pub processes: Arc<crate::processes::Processes>,
     pub ports: crate::ports::Ports,
