@@ -299,3 +299,40 @@ async fn past_the_connection_cap_the_answer_is_503_busy_not_a_hang() {
     );
     drop((held_a, held_b));
 }
+
+#[tokio::test]
+async fn more_than_1024_connections_are_served_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    holdfast::server::raise_fd_limit();
+    let s = Server::start().await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let mut conns = Vec::new();
+    for _ in 0..1100 {
+        conns.push(
+            tokio::net::TcpStream::connect(&addr)
+                .await
+                .expect("connect"),
+        );
+    }
+    // Every one of them, all open at once, gets an answer.
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .map(|mut c| {
+            tokio::spawn(async move {
+                c.write_all(
+                    b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+                )
+                .await
+                .expect("write");
+                let mut answer = String::new();
+                c.read_to_string(&mut answer).await.expect("read");
+                answer.starts_with("HTTP/1.1 200")
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        ok += usize::from(t.await.expect("task"));
+    }
+    assert_eq!(ok, 1100);
+}
