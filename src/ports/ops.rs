@@ -93,17 +93,16 @@ pub async fn insert(
 /// End every reservation of `owner_id`, with its events.
 pub async fn release_all(tx: &mut dyn Tx, cx: Ctx<'_>, owner_id: &str) -> Result<()> {
     for mut rec in tx.ports_of(owner_id).await? {
-        tx.release_port(&rec.id, cx.now).await?;
-        rec.released_at = Some(cx.now);
-        append(
-            tx,
-            cx.now,
-            "port.released",
-            Subject::Port(&rec),
-            Value::Null,
-        )
-        .await?;
+        end(tx, cx, &mut rec).await?;
     }
+    Ok(())
+}
+
+/// End one reservation and append its event.
+async fn end(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &mut PortRecord) -> Result<()> {
+    tx.release_port(&rec.id, cx.now).await?;
+    rec.released_at = Some(cx.now);
+    append(tx, cx.now, "port.released", Subject::Port(rec), Value::Null).await?;
     Ok(())
 }
 
@@ -176,15 +175,6 @@ pub async fn release(
             serde_json::to_value(&rec).unwrap_or(Value::Null),
         ))));
     }
-    tx.release_port(&rec.id, cx.now).await?;
-    rec.released_at = Some(cx.now);
-    append(
-        tx,
-        cx.now,
-        "port.released",
-        Subject::Port(&rec),
-        Value::Null,
-    )
-    .await?;
+    end(tx, cx, &mut rec).await?;
     Ok(Ok(rec))
 }
