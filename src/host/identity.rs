@@ -84,6 +84,11 @@ fn map_io(pid: i32, e: std::io::Error) -> ObserveError {
     }
 }
 
+/// `flags` bit of a kernel thread (include/linux/sched.h). Its pgid and sid
+/// read 0 too, but so do those of any process whose group or session leader
+/// is outside our PID namespace, as in a container.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
 /// The fields of `/proc/<pid>/stat` that identify a process.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Stat {
@@ -91,6 +96,7 @@ pub(crate) struct Stat {
     pub pgid: i32,
     pub sid: i32,
     pub start_time: String,
+    pub kernel_thread: bool,
 }
 
 impl Stat {
@@ -106,6 +112,7 @@ impl Stat {
             pgid: fields.get(2)?.parse().ok()?,
             sid: fields.get(3)?.parse().ok()?,
             start_time: fields.get(19)?.parse::<u64>().ok()?.to_string(),
+            kernel_thread: fields.get(6)?.parse::<u64>().ok()? & PF_KTHREAD != 0,
         })
     }
 }
@@ -179,6 +186,7 @@ impl ProcHost {
                 uid: Some(uid),
                 pgid: Some(after.pgid),
                 sid: Some(after.sid),
+                kernel_thread: after.kernel_thread,
             });
         }
         Err(ObserveError::NotFound(pid))
@@ -200,9 +208,19 @@ mod tests {
                 zombie: false,
                 pgid: 4242,
                 sid: 4200,
-                start_time: "8879".into()
+                start_time: "8879".into(),
+                kernel_thread: false,
             }
         );
+    }
+
+    #[test]
+    fn kernel_threads_are_told_by_their_flags_not_their_group() {
+        let kthread = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 1 0 0";
+        assert!(Stat::parse(kthread).expect("parses").kernel_thread);
+        // In a container the session leader may be outside our PID namespace.
+        let contained = "77 (sleep) S 1 77 0 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 9 0 0";
+        assert!(!Stat::parse(contained).expect("parses").kernel_thread);
     }
 
     #[test]

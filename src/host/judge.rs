@@ -54,6 +54,7 @@ mod tests {
             uid: Some(1000),
             pgid: Some(pid),
             sid: Some(pid),
+            kernel_thread: false,
         }
     }
 

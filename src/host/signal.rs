@@ -140,8 +140,7 @@ impl OwnIds {
         if ident.pid == 1 {
             return Some("pid 1 is never signalled".into());
         }
-        // Kernel threads (kthreadd and its children) have no process group.
-        if ident.pgid == Some(0) || ident.sid == Some(0) {
+        if ident.kernel_thread {
             return Some("kernel threads are never signalled".into());
         }
         if ident.pid == self.pid {

@@ -27,6 +27,9 @@ pub struct Identity {
     pub uid: Option<u32>,
     pub pgid: Option<i32>,
     pub sid: Option<i32>,
+    /// A kernel thread (PF_KTHREAD), read now; never stored or shown.
+    #[serde(skip)]
+    pub kernel_thread: bool,
 }
 
 impl Identity {
