@@ -63,10 +63,22 @@ pub struct Config {
     #[arg(long, env = "HOLDFAST_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
 
-    /// Store URL: sqlite://PATH. Default: sqlite://<data-dir>/holdfast.db.
-    /// (HOLDFAST_DATABASE is read too.)
+    /// Store URL: sqlite://PATH, or postgres://USER@HOST:PORT/DB to share one
+    /// database with the holdfast of other hosts.
+    /// Default: sqlite://<data-dir>/holdfast.db. (HOLDFAST_DATABASE is read too.)
     #[arg(long, env = "HOLDFAST_DATABASE_URL")]
     pub database: Option<String>,
+
+    /// PostgreSQL only: connections this server opens at most.
+    #[arg(long, env = "HOLDFAST_DATABASE_POOL_SIZE", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub database_pool_size: u32,
+
+    /// PostgreSQL only: how long to wait to connect, for a free connection,
+    /// or for the fleet-wide write lock before answering `busy`.
+    #[arg(long, env = "HOLDFAST_DATABASE_TIMEOUT_MS", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub database_timeout_ms: u64,
 
     /// How often the reconciler ends expired and dead-owner leases.
     #[arg(long, env = "HOLDFAST_RECONCILE_INTERVAL_MS", default_value_t = 1000,
@@ -167,6 +179,8 @@ fn token(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Database {
     Sqlite(PathBuf),
+    /// A PostgreSQL URL, as given.
+    Postgres(String),
 }
 
 impl Config {
@@ -233,10 +247,10 @@ impl Config {
             return Ok(Database::Sqlite(PathBuf::from(path)));
         }
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            return Err("PostgreSQL is not supported yet by this build; use sqlite://PATH".into());
+            return Ok(Database::Postgres(url.clone()));
         }
         Err(format!(
-            "unsupported database URL {url:?}: expected sqlite://PATH"
+            "unsupported database URL {url:?}: expected sqlite://PATH or postgres://..."
         ))
     }
 }
@@ -264,6 +278,11 @@ mod tests {
         assert_eq!(c.database(), Ok(Database::Sqlite("/d/holdfast.db".into())));
         let c = parse(&["--database", "sqlite:///tmp/x.db"]);
         assert_eq!(c.database(), Ok(Database::Sqlite("/tmp/x.db".into())));
+        let c = parse(&["--database", "postgres://u@db:5432/holdfast"]);
+        assert_eq!(
+            c.database(),
+            Ok(Database::Postgres("postgres://u@db:5432/holdfast".into()))
+        );
         let c = parse(&["--database", "mysql://x"]);
         assert!(c.database().is_err());
     }

@@ -28,6 +28,7 @@ use tokio::sync::watch;
 
 use config::{Config, Database, Listen};
 use host::{Host, LocalFacts, ProcHost};
+use store::postgres::{PgStore, PoolSettings};
 use store::{Store, sqlite::SqliteStore};
 use waiters::Hub;
 
@@ -83,16 +84,32 @@ impl App {
         });
         let facts = LocalFacts::read(config.host_id.clone()).map_err(StartError::Host)?;
         let host: Arc<dyn Host> = Arc::new(ProcHost::new(facts.clone()));
-        let Database::Sqlite(path) = config.database().map_err(StartError::Config)?;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| StartError::DataDir {
-                path: dir.display().to_string(),
-                source,
-            })?;
-        }
         let hub = Arc::new(Hub::new(0));
-        let backend = SqliteStore::open(&path, &facts.boot_id, time::now_ms(), hub.clone())?;
-        let store = Store::new(Arc::new(backend));
+        let backend: Arc<dyn store::Backend> =
+            match config.database().map_err(StartError::Config)? {
+                Database::Sqlite(path) => {
+                    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                        std::fs::create_dir_all(dir).map_err(|source| StartError::DataDir {
+                            path: dir.display().to_string(),
+                            source,
+                        })?;
+                    }
+                    Arc::new(SqliteStore::open(
+                        &path,
+                        &facts.boot_id,
+                        time::now_ms(),
+                        hub.clone(),
+                    )?)
+                }
+                Database::Postgres(url) => {
+                    let settings = PoolSettings {
+                        max_connections: config.database_pool_size,
+                        timeout: Duration::from_millis(config.database_timeout_ms),
+                    };
+                    Arc::new(PgStore::connect(&url, &settings, hub.clone()).await?)
+                }
+            };
+        let store = Store::new(backend);
         hub.event_committed(store.backend().last_event_seq().await?);
         hub.pruned_through.store(
             store.backend().pruned_through().await?,

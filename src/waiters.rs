@@ -52,6 +52,15 @@ impl Waiters {
         }
     }
 
+    /// Wake the head waiter of every resource, to re-check after lease
+    /// ends that may not have been announced.
+    pub fn wake_heads(&self) {
+        self.ends.fetch_add(1, Ordering::SeqCst);
+        for (_, head) in self.lock().values().filter_map(|q| q.front()) {
+            head.notify_one();
+        }
+    }
+
     /// A lease on `resource` ended (after its commit): wake the head waiter.
     pub fn lease_ended(&self, resource: &str) {
         self.ends.fetch_add(1, Ordering::SeqCst);
@@ -175,6 +184,10 @@ impl CommitListener for Hub {
                     self.reconcile_soon.notify_one();
                 }
                 Effect::Event(seq) => self.event_committed(*seq),
+                Effect::Missed => {
+                    self.waiters.wake_heads();
+                    self.reconcile_soon.notify_one();
+                }
             }
         }
     }

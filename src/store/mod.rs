@@ -2,6 +2,8 @@
 //! transaction (`Store::write`); each job sees a `Tx` and nothing else, so
 //! the rules in `leases` never know which database is behind them.
 
+pub mod postgres;
+pub(crate) mod sql;
 pub mod sqlite;
 
 use std::any::Any;
@@ -34,6 +36,9 @@ pub enum Effect {
     LeaseEnded(String),
     /// An event with this seq was appended.
     Event(i64),
+    /// Changes made elsewhere may have gone unannounced (another host's,
+    /// while this one was not listening): every waiter should look again.
+    Missed,
 }
 
 /// The operations a mutation may use inside its transaction.

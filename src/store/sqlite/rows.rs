@@ -4,13 +4,10 @@
 use rusqlite::{Connection, OptionalExtension, Row, params};
 
 use super::map_err;
-use crate::model::{EventRow, LeaseFilter, LeaseRecord, LeaseState, ParentRef, StateFilter};
+use crate::model::{EventRow, LeaseFilter, LeaseRecord, LeaseState, ParentRef};
+use crate::store::sql::{LEASE_COLS, LEASE_CURRENT, push_filters, select_by_state};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
-
-const COLS: &str = "id, resource, token, holder, state, owner, parent_id, parent_resource, \
-     parent_token, ttl_ms, expires_at, acquired_at, renewed_at, ended_at, end_reason, metadata";
-const CURRENT: &str = "state IN ('reserved', 'active')";
 
 fn decode_err(what: &str, e: impl std::fmt::Display) -> StoreError {
     StoreError::Other(format!("stored {what} does not decode: {e}"))
@@ -81,12 +78,12 @@ fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
 }
 
 pub fn lease(conn: &Connection, id: &str) -> Result<Option<LeaseRecord>> {
-    let sql = format!("SELECT {COLS} FROM leases WHERE id = ?1");
+    let sql = format!("SELECT {LEASE_COLS} FROM leases WHERE id = ?1");
     Ok(leases(conn, &sql, [id])?.pop())
 }
 
 pub fn current_lease(conn: &Connection, resource: &str) -> Result<Option<LeaseRecord>> {
-    let sql = format!("SELECT {COLS} FROM leases WHERE resource = ?1 AND {CURRENT}");
+    let sql = format!("SELECT {LEASE_COLS} FROM leases WHERE resource = ?1 AND {LEASE_CURRENT}");
     Ok(leases(conn, &sql, [resource])?.pop())
 }
 
@@ -103,7 +100,7 @@ pub fn next_token(conn: &Connection, resource: &str) -> Result<i64> {
 pub fn insert_lease(conn: &Connection, l: &LeaseRecord) -> Result<()> {
     let owner = l.owner.as_ref().map(to_json).transpose()?;
     let sql = format!(
-        "INSERT INTO leases ({COLS}) \
+        "INSERT INTO leases ({LEASE_COLS}) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"
     );
     let mut stmt = conn.prepare_cached(&sql).map_err(map_err)?;
@@ -183,33 +180,15 @@ pub fn meta(conn: &Connection, key: &str) -> Result<Option<String>> {
 /// Push every current lease's expiry out to at least now + its TTL.
 pub fn extend_current_ttls(conn: &Connection, now: Millis) -> Result<usize> {
     let sql = format!(
-        "UPDATE leases SET expires_at = MAX(expires_at, ?1 + ttl_ms) WHERE {CURRENT} AND ttl_ms IS NOT NULL"
+        "UPDATE leases SET expires_at = MAX(expires_at, ?1 + ttl_ms) WHERE {LEASE_CURRENT} AND ttl_ms IS NOT NULL"
     );
     conn.execute(&sql, [now]).map_err(map_err)
 }
 
-/// Append ` AND <clause>` for each filter that has a value; `?N` in a
-/// clause names that value's parameter. Returns the values, in order.
-pub fn push_filters<'a>(sql: &mut String, filters: &[(&'a Option<String>, &str)]) -> Vec<&'a str> {
-    let mut args = Vec::new();
-    for (value, clause) in filters {
-        if let Some(v) = value {
-            args.push(v.as_str());
-            sql.push_str(" AND ");
-            sql.push_str(&clause.replace("?N", &format!("?{}", args.len())));
-        }
-    }
-    args
-}
-
 pub fn list_leases(conn: &Connection, f: &LeaseFilter) -> Result<Vec<LeaseRecord>> {
-    let mut sql = format!("SELECT {COLS} FROM leases WHERE 1 = 1");
-    match f.state {
-        StateFilter::Current => sql.push_str(&format!(" AND {CURRENT}")),
-        StateFilter::Ended => sql.push_str(&format!(" AND NOT {CURRENT}")),
-        StateFilter::All => {}
-    }
+    let mut sql = select_by_state(LEASE_COLS, "leases", LEASE_CURRENT, f.state);
     let args = push_filters(
+        '?',
         &mut sql,
         &[
             (&f.resource, "resource = ?N"),
@@ -226,14 +205,14 @@ pub fn list_leases(conn: &Connection, f: &LeaseFilter) -> Result<Vec<LeaseRecord
 
 pub fn leases_to_reconcile(conn: &Connection, now: Millis) -> Result<Vec<LeaseRecord>> {
     let sql = format!(
-        "SELECT {COLS} FROM leases WHERE {CURRENT} AND owner IS NOT NULL \
-         UNION SELECT {COLS} FROM leases WHERE {CURRENT} AND expires_at <= ?1"
+        "SELECT {LEASE_COLS} FROM leases WHERE {LEASE_CURRENT} AND owner IS NOT NULL \
+         UNION SELECT {LEASE_COLS} FROM leases WHERE {LEASE_CURRENT} AND expires_at <= ?1"
     );
     leases(conn, &sql, [now])
 }
 
 pub fn count_current_leases(conn: &Connection) -> Result<i64> {
-    let sql = format!("SELECT count(*) FROM leases WHERE {CURRENT}");
+    let sql = format!("SELECT count(*) FROM leases WHERE {LEASE_CURRENT}");
     conn.query_row(&sql, [], |r| r.get(0)).map_err(map_err)
 }
 

@@ -4,18 +4,11 @@ use rusqlite::{Connection, Row, params};
 
 use super::map_err;
 use crate::model::{
-    Exit, Logs, PortOwner, PortRecord, ProcessFilter, ProcessRecord, ProcessState, StateFilter,
-    TokenRef,
+    Exit, Logs, PortOwner, PortRecord, ProcessFilter, ProcessRecord, ProcessState, TokenRef,
 };
+use crate::store::sql::{PORT_COLS, PROCESS_COLS, PROCESS_CURRENT, push_filters, select_by_state};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
-
-const COLS: &str = "id, kind, state, token, operation_id, lease_id, lease_token, host_id, identity, owner, \
-     spawned, command, stdout_path, stderr_path, exit_code, exit_signal, ttl_ms, expires_at, \
-     created_at, started_at, ended_at, end_reason, metadata";
-const CURRENT: &str = "state IN ('starting', 'running', 'stopping', 'orphaned')";
-const PORT_COLS: &str =
-    "id, host_id, port, name, owner_kind, owner_id, owner_token, reserved_at, released_at";
 
 fn bad(what: &str, e: impl std::fmt::Display) -> StoreError {
     StoreError::Other(format!("stored {what} does not decode: {e}"))
@@ -102,20 +95,22 @@ fn processes(
 pub fn process(conn: &Connection, id: &str) -> Result<Option<ProcessRecord>> {
     Ok(processes(
         conn,
-        &format!("SELECT {COLS} FROM processes WHERE id = ?1"),
+        &format!("SELECT {PROCESS_COLS} FROM processes WHERE id = ?1"),
         [id],
     )?
     .pop())
 }
 
 pub fn process_by_operation(conn: &Connection, op: &str) -> Result<Option<ProcessRecord>> {
-    let sql = format!("SELECT {COLS} FROM processes WHERE operation_id = ?1 AND {CURRENT}");
+    let sql = format!(
+        "SELECT {PROCESS_COLS} FROM processes WHERE operation_id = ?1 AND {PROCESS_CURRENT}"
+    );
     Ok(processes(conn, &sql, [op])?.pop())
 }
 
 pub fn insert_process(conn: &Connection, p: &ProcessRecord) -> Result<()> {
     let sql = format!(
-        "INSERT INTO processes ({COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, \
+        "INSERT INTO processes ({PROCESS_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, \
          ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)"
     );
     conn.prepare_cached(&sql)
@@ -196,13 +191,9 @@ pub fn update_process(conn: &Connection, p: &ProcessRecord) -> Result<()> {
 }
 
 pub fn list_processes(conn: &Connection, f: &ProcessFilter) -> Result<Vec<ProcessRecord>> {
-    let mut sql = format!("SELECT {COLS} FROM processes WHERE 1 = 1");
-    match f.state {
-        StateFilter::Current => sql.push_str(&format!(" AND {CURRENT}")),
-        StateFilter::Ended => sql.push_str(&format!(" AND NOT {CURRENT}")),
-        StateFilter::All => {}
-    }
-    let args = super::rows::push_filters(
+    let mut sql = select_by_state(PROCESS_COLS, "processes", PROCESS_CURRENT, f.state);
+    let args = push_filters(
+        '?',
         &mut sql,
         &[
             (&f.kind, "kind = ?N"),
@@ -216,12 +207,14 @@ pub fn list_processes(conn: &Connection, f: &ProcessFilter) -> Result<Vec<Proces
 }
 
 pub fn current_processes(conn: &Connection, host_id: &str) -> Result<Vec<ProcessRecord>> {
-    let sql = format!("SELECT {COLS} FROM processes WHERE host_id = ?1 AND {CURRENT} ORDER BY id");
+    let sql = format!(
+        "SELECT {PROCESS_COLS} FROM processes WHERE host_id = ?1 AND {PROCESS_CURRENT} ORDER BY id"
+    );
     processes(conn, &sql, [host_id])
 }
 
 pub fn count_current_processes(conn: &Connection) -> Result<i64> {
-    let sql = format!("SELECT count(*) FROM processes WHERE {CURRENT}");
+    let sql = format!("SELECT count(*) FROM processes WHERE {PROCESS_CURRENT}");
     conn.query_row(&sql, [], |r| r.get(0)).map_err(map_err)
 }
 

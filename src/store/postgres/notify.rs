@@ -1,0 +1,186 @@
+//! Commits made on other hosts reach this host's waiters through
+//! LISTEN/NOTIFY: a transaction notifies inside itself (so the message goes
+//! out only if it commits), and every host listens and replays the effects.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgListener;
+use sqlx::{PgConnection, PgPool};
+
+use super::map_err;
+use crate::store::{BoxFuture, CommitListener, Effect, Result};
+
+const CHANNEL: &str = "holdfast";
+/// NOTIFY payloads must stay under 8000 bytes.
+const MAX_PAYLOAD: usize = 7000;
+
+#[derive(Serialize, Deserialize, Default)]
+struct Message {
+    /// The sending server instance, which ignores its own messages.
+    from: String,
+    /// The newest event seq of the commit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    seq: Option<i64>,
+    /// Resources whose lease ended.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    ended: Vec<String>,
+}
+
+#[derive(Clone)]
+pub struct Notifier {
+    instance: String,
+}
+
+impl Notifier {
+    pub fn new() -> Self {
+        Self {
+            instance: uuid::Uuid::now_v7().to_string(),
+        }
+    }
+
+    fn payloads(&self, effects: &[Effect]) -> Vec<String> {
+        let seq = effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Event(s) => Some(*s),
+                _ => None,
+            })
+            .max();
+        let mut out = Vec::new();
+        let mut msg = Message {
+            from: self.instance.clone(),
+            seq,
+            ended: Vec::new(),
+        };
+        let mut size = 0;
+        for e in effects {
+            if let Effect::LeaseEnded(resource) = e {
+                if size + resource.len() > MAX_PAYLOAD && !msg.ended.is_empty() {
+                    let full = std::mem::take(&mut msg.ended);
+                    out.extend(encode(&Message {
+                        ended: full,
+                        ..msg_head(&msg)
+                    }));
+                    size = 0;
+                }
+                size += resource.len() + 8;
+                msg.ended.push(resource.clone());
+            }
+        }
+        if msg.seq.is_some() || !msg.ended.is_empty() {
+            out.extend(encode(&msg));
+        }
+        out
+    }
+
+    /// Queue the notifications for `effects` in the open transaction.
+    pub fn send<'c>(
+        &self,
+        c: &'c mut PgConnection,
+        effects: &[Effect],
+    ) -> BoxFuture<'c, Result<()>> {
+        let payloads = self.payloads(effects);
+        Box::pin(async move {
+            if payloads.is_empty() {
+                return Ok(());
+            }
+            sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
+                .bind(CHANNEL)
+                .bind(payloads)
+                .execute(c)
+                .await
+                .map_err(map_err)?;
+            Ok(())
+        })
+    }
+
+    /// Listen for other hosts' commits until the pool closes. After every
+    /// (re)connection, notifications may have been missed: the listener is
+    /// told the newest seq and to wake every waiter, who then re-check.
+    pub fn spawn_listener(&self, pool: PgPool, listener: Arc<dyn CommitListener>) {
+        let me = self.instance.clone();
+        tokio::spawn(async move {
+            while !pool.is_closed() {
+                if let Err(e) = listen(&pool, &me, listener.as_ref()).await {
+                    if pool.is_closed() {
+                        return;
+                    }
+                    tracing::warn!(error = %e, "listening for other hosts' changes failed; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        });
+    }
+}
+
+fn msg_head(m: &Message) -> Message {
+    Message {
+        from: m.from.clone(),
+        seq: m.seq,
+        ended: Vec::new(),
+    }
+}
+
+fn encode(m: &Message) -> Option<String> {
+    serde_json::to_string(m).ok()
+}
+
+async fn resync(pool: &PgPool, listener: &dyn CommitListener) -> Result<()> {
+    let mut c = pool.acquire().await.map_err(map_err)?;
+    let seq = super::rows::last_event_seq(&mut c).await?;
+    listener.committed(&[Effect::Event(seq), Effect::Missed]);
+    Ok(())
+}
+
+async fn listen(pool: &PgPool, me: &str, listener: &dyn CommitListener) -> Result<()> {
+    let mut l = PgListener::connect_with(pool).await.map_err(map_err)?;
+    l.listen(CHANNEL).await.map_err(map_err)?;
+    resync(pool, listener).await?;
+    loop {
+        match l.try_recv().await.map_err(map_err)? {
+            Some(n) => {
+                let Ok(msg) = serde_json::from_str::<Message>(n.payload()) else {
+                    tracing::warn!(payload = n.payload(), "ignoring an unreadable notification");
+                    continue;
+                };
+                if msg.from == me {
+                    continue;
+                }
+                let mut effects: Vec<Effect> =
+                    msg.ended.into_iter().map(Effect::LeaseEnded).collect();
+                effects.extend(msg.seq.map(Effect::Event));
+                listener.committed(&effects);
+            }
+            // The connection was lost: listen afresh, then resync.
+            None => return Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_lists_of_ended_leases_are_split_under_the_payload_limit() {
+        let n = Notifier::new();
+        let mut effects: Vec<Effect> = (0..2000)
+            .map(|i| Effect::LeaseEnded(format!("resource-{i:05}")))
+            .collect();
+        effects.push(Effect::Event(41));
+        effects.push(Effect::Event(42));
+        let payloads = n.payloads(&effects);
+        assert!(payloads.len() > 1);
+        let mut ended = 0;
+        for p in &payloads {
+            assert!(p.len() < 8000, "{} bytes", p.len());
+            let m: Message = serde_json::from_str(p).expect("decodes");
+            assert_eq!(m.seq, Some(42));
+            ended += m.ended.len();
+        }
+        assert_eq!(ended, 2000);
+        assert!(n.payloads(&[]).is_empty());
+    }
+}
