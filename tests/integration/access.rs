@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::stores::stores;
 use crate::support::{Proc, Server, curl_as, unix_request};
 
 fn token_files(dir: &std::path::Path) -> (PathBuf, PathBuf) {
@@ -15,7 +16,7 @@ fn token_files(dir: &std::path::Path) -> (PathBuf, PathBuf) {
     (auth, admin)
 }
 
-#[tokio::test]
+stores!(tokens_guard_v1_and_metrics_and_only_admin_may_break);
 async fn tokens_guard_v1_and_metrics_and_only_admin_may_break() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let (auth, admin) = token_files(tmp.path());
@@ -121,7 +122,7 @@ async fn tokens_guard_v1_and_metrics_and_only_admin_may_break() {
     assert_eq!(res.status(), StatusCode::OK);
 }
 
-#[tokio::test]
+stores!(a_non_loopback_listener_without_a_token_refuses_to_start);
 async fn a_non_loopback_listener_without_a_token_refuses_to_start() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
@@ -140,7 +141,7 @@ async fn a_non_loopback_listener_without_a_token_refuses_to_start() {
     );
 }
 
-#[tokio::test]
+stores!(foreign_host_and_origin_are_refused_on_loopback);
 async fn foreign_host_and_origin_are_refused_on_loopback() {
     let s = Server::start().await;
     for (name, value) in [
@@ -169,7 +170,7 @@ async fn foreign_host_and_origin_are_refused_on_loopback() {
     assert_eq!(ok.status(), StatusCode::OK);
 }
 
-#[tokio::test]
+stores!(over_the_unix_socket_caller_owns_and_uids_are_enforced);
 async fn over_the_unix_socket_caller_owns_and_uids_are_enforced() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let sock = tmp.path().join("holdfast.sock");

@@ -3,9 +3,10 @@
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::stores::stores;
 use crate::support::Server;
 
-#[tokio::test]
+stores!(bodies_that_are_not_json_objects_are_refused);
 async fn bodies_that_are_not_json_objects_are_refused() {
     let s = Server::start().await;
     let cases: &[(Option<&str>, &[u8], StatusCode, &str)] = &[
@@ -71,7 +72,7 @@ async fn bodies_that_are_not_json_objects_are_refused() {
     assert_eq!(r.code(), "payload_too_large");
 }
 
-#[tokio::test]
+stores!(invalid_members_are_422_validation_naming_the_field);
 async fn invalid_members_are_422_validation_naming_the_field() {
     let s = Server::start().await;
     let long = "x".repeat(513);
@@ -186,7 +187,7 @@ async fn invalid_members_are_422_validation_naming_the_field() {
     );
 }
 
-#[tokio::test]
+stores!(unknown_ids_and_paths_are_404);
 async fn unknown_ids_and_paths_are_404() {
     let s = Server::start().await;
     for path in [
@@ -209,7 +210,7 @@ async fn unknown_ids_and_paths_are_404() {
     assert_eq!(r.code(), "not_found");
 }
 
-#[tokio::test]
+stores!(duplicate_members_and_deep_nesting_are_refused);
 async fn duplicate_members_and_deep_nesting_are_refused() {
     let s = Server::start().await;
     let dup = br#"{"resource":"a","holder":"h","ttl_ms":5000,"resource":"b"}"#.to_vec();
@@ -241,7 +242,7 @@ async fn duplicate_members_and_deep_nesting_are_refused() {
     assert_eq!(s.get("/v1/leases?state=all").await.body["items"], json!([]));
 }
 
-#[tokio::test]
+stores!(oversized_heads_are_431);
 async fn oversized_heads_are_431() {
     let s = Server::start().await;
     let res = s
@@ -264,7 +265,7 @@ async fn oversized_heads_are_431() {
     assert_eq!(ok.status(), StatusCode::OK);
 }
 
-#[tokio::test]
+stores!(past_the_connection_cap_the_answer_is_503_busy_not_a_hang);
 async fn past_the_connection_cap_the_answer_is_503_busy_not_a_hang() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let s = Server::start_with(&["--max-connections", "2"]).await;
@@ -300,7 +301,7 @@ async fn past_the_connection_cap_the_answer_is_503_busy_not_a_hang() {
     drop((held_a, held_b));
 }
 
-#[tokio::test]
+stores!(more_than_1024_connections_are_served_at_once);
 async fn more_than_1024_connections_are_served_at_once() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     holdfast::server::raise_fd_limit();

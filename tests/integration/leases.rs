@@ -6,9 +6,10 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::stores::stores;
 use crate::support::{Proc, Server, assert_lease_shape};
 
-#[tokio::test]
+stores!(acquire_renew_release_and_release_again);
 async fn acquire_renew_release_and_release_again() {
     let s = Server::start().await;
     let r = s.acquire(json!({"resource": "workspace/alpha", "holder": "sup-1", "ttl_ms": 30_000, "metadata": {"run": 7}})).await;
@@ -58,7 +59,7 @@ async fn acquire_renew_release_and_release_again() {
     assert_eq!(renew_ended.code(), "fenced");
 }
 
-#[tokio::test]
+stores!(tokens_increase_across_releases_and_stale_tokens_are_fenced);
 async fn tokens_increase_across_releases_and_stale_tokens_are_fenced() {
     let s = Server::start().await;
     let first = s.acquire_ok("r", "a").await;
@@ -80,7 +81,7 @@ async fn tokens_increase_across_releases_and_stale_tokens_are_fenced() {
     assert_eq!(s.acquire_ok("other", "b").await["token"], 1);
 }
 
-#[tokio::test]
+stores!(ownerless_lease_past_its_ttl_is_expired_by_the_next_mutation);
 async fn ownerless_lease_past_its_ttl_is_expired_by_the_next_mutation() {
     // A reconciler that never runs: only the mutations apply the table here.
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
@@ -108,7 +109,7 @@ async fn ownerless_lease_past_its_ttl_is_expired_by_the_next_mutation() {
     assert_eq!(next["token"], 2);
 }
 
-#[tokio::test]
+stores!(takeover_of_an_expired_lease_reports_what_it_ended);
 async fn takeover_of_an_expired_lease_reports_what_it_ended() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let old = s
@@ -133,7 +134,7 @@ async fn takeover_of_an_expired_lease_reports_what_it_ended() {
     );
 }
 
-#[tokio::test]
+stores!(reconciler_expires_leases_nobody_touches);
 async fn reconciler_expires_leases_nobody_touches() {
     let s = Server::start_with(&["--reconcile-interval-ms", "50"]).await;
     let lease = s
@@ -154,7 +155,7 @@ async fn reconciler_expires_leases_nobody_touches() {
     assert_eq!(events[1]["lease"]["state"], "expired");
 }
 
-#[tokio::test]
+stores!(reserved_lease_is_activated_by_another_process_with_the_same_token);
 async fn reserved_lease_is_activated_by_another_process_with_the_same_token() {
     let s = Server::start().await;
     let worker = Proc::sleep();
@@ -211,7 +212,7 @@ async fn reserved_lease_is_activated_by_another_process_with_the_same_token() {
     assert_eq!(kinds, ["lease.acquired", "lease.activated"]);
 }
 
-#[tokio::test]
+stores!(ended_parent_fences_renew_and_activate_of_children_but_not_release);
 async fn ended_parent_fences_renew_and_activate_of_children_but_not_release() {
     let s = Server::start().await;
     let parent = s.acquire_ok("run/7", "runner").await;
@@ -263,7 +264,7 @@ async fn ended_parent_fences_renew_and_activate_of_children_but_not_release() {
     assert_eq!(orphan.code(), "parent_fenced");
 }
 
-#[tokio::test]
+stores!(break_ends_any_current_lease_and_records_why);
 async fn break_ends_any_current_lease_and_records_why() {
     let s = Server::start().await;
     let owner = Proc::sleep();
@@ -287,7 +288,7 @@ async fn break_ends_any_current_lease_and_records_why() {
     assert_eq!(s.acquire_ok("b", "next").await["token"], 2);
 }
 
-#[tokio::test]
+stores!(list_filters_and_pages_newest_first);
 async fn list_filters_and_pages_newest_first() {
     let s = Server::start().await;
     let mut ids = Vec::new();
@@ -365,7 +366,7 @@ pub fn now_text() -> String {
     holdfast::time::rfc3339(i64::try_from(now.as_millis()).expect("ms"))
 }
 
-#[tokio::test]
+stores!(events_long_poll_returns_as_soon_as_an_event_commits);
 async fn events_long_poll_returns_as_soon_as_an_event_commits() {
     let s = Server::start().await;
     let lease = s.acquire_ok("ev", "h").await;

@@ -3,6 +3,7 @@
 mod access;
 mod disk_full;
 mod errors;
+mod fleet;
 mod leases;
 mod orphans;
 mod owners;
@@ -12,5 +13,6 @@ mod races;
 mod restart;
 mod service;
 mod sse;
+mod stores;
 mod support;
 mod waiting;

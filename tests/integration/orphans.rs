@@ -6,13 +6,14 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::stores::stores;
 use crate::support::{Proc, Server, alive};
 
 fn id(v: &serde_json::Value) -> String {
     v["id"].as_str().expect("id").to_owned()
 }
 
-#[tokio::test]
+stores!(a_process_is_stopped_when_its_lease_holder_dies);
 async fn a_process_is_stopped_when_its_lease_holder_dies() {
     let s = Server::start_with(&["--reconcile-interval-ms", "100"]).await;
     let mut holder = Proc::sleep();
@@ -63,7 +64,7 @@ async fn a_process_is_stopped_when_its_lease_holder_dies() {
     );
 }
 
-#[tokio::test]
+stores!(a_process_with_a_live_owner_is_never_claimed);
 async fn a_process_with_a_live_owner_is_never_claimed() {
     let s = Server::start_with(&["--reconcile-interval-ms", "50"]).await;
     let owner = Proc::sleep();
@@ -81,7 +82,7 @@ async fn a_process_with_a_live_owner_is_never_claimed() {
     assert_eq!(now["token"], expired["token"]);
 }
 
-#[tokio::test]
+stores!(a_process_whose_heartbeats_stop_is_claimed);
 async fn a_process_whose_heartbeats_stop_is_claimed() {
     let s = Server::start_with(&["--reconcile-interval-ms", "50"]).await;
     let p = s
@@ -96,7 +97,7 @@ async fn a_process_whose_heartbeats_stop_is_claimed() {
     assert!(!alive(pid));
 }
 
-#[tokio::test]
+stores!(after_a_restart_running_processes_are_watched_again);
 async fn after_a_restart_running_processes_are_watched_again() {
     let dir = tempfile::tempdir().expect("tempdir");
     let s = Server::start_in(dir.path(), &[]).await;
@@ -137,7 +138,7 @@ async fn after_a_restart_running_processes_are_watched_again() {
     assert!(!alive(b["pid"].as_i64().expect("pid")));
 }
 
-#[tokio::test]
+stores!(another_hosts_process_is_never_signalled);
 async fn another_hosts_process_is_never_signalled() {
     let dir = tempfile::tempdir().expect("tempdir");
     let s = Server::start_in(dir.path(), &["--host-id", "host-a"]).await;

@@ -7,9 +7,10 @@ use reqwest::StatusCode;
 use serde_json::json;
 use tokio::process::Command;
 
+use crate::stores::stores;
 use crate::support::{Proc, Server};
 
-#[tokio::test]
+stores!(dead_owner_is_reclaimed_at_once_well_before_its_ttl);
 async fn dead_owner_is_reclaimed_at_once_well_before_its_ttl() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let mut owner = Proc::sleep();
@@ -56,7 +57,7 @@ async fn dead_owner_is_reclaimed_at_once_well_before_its_ttl() {
     );
 }
 
-#[tokio::test]
+stores!(an_unreaped_zombie_owner_counts_as_dead);
 async fn an_unreaped_zombie_owner_counts_as_dead() {
     let s = Server::start().await;
     let mut owner = Proc::sleep();
@@ -80,7 +81,7 @@ async fn an_unreaped_zombie_owner_counts_as_dead() {
     owner.child.wait().await.expect("reap");
 }
 
-#[tokio::test]
+stores!(reconciler_reclaims_a_dead_owners_lease_on_its_own);
 async fn reconciler_reclaims_a_dead_owners_lease_on_its_own() {
     let s = Server::start_with(&["--reconcile-interval-ms", "50"]).await;
     let mut owner = Proc::sleep();
@@ -95,7 +96,7 @@ async fn reconciler_reclaims_a_dead_owners_lease_on_its_own() {
     assert_eq!(ended["end_reason"], "owner_dead:pid_absent");
 }
 
-#[tokio::test]
+stores!(live_owner_past_its_ttl_is_stale_and_never_taken_over);
 async fn live_owner_past_its_ttl_is_stale_and_never_taken_over() {
     let s = Server::start_with(&["--reconcile-interval-ms", "50"]).await;
     let owner = Proc::sleep();
@@ -130,7 +131,7 @@ async fn live_owner_past_its_ttl_is_stale_and_never_taken_over() {
     assert_eq!(renew.body["stale"], false);
 }
 
-#[tokio::test]
+stores!(owner_must_exist_and_match_the_start_time_the_client_saw);
 async fn owner_must_exist_and_match_the_start_time_the_client_saw() {
     let s = Server::start().await;
     let owner = Proc::sleep();
@@ -187,7 +188,7 @@ pub async fn spawn_with_pid(pid: i64) -> Option<tokio::process::Child> {
     None
 }
 
-#[tokio::test]
+stores!(reused_owner_pid_is_dead_pid_reused_and_taken_over);
 async fn reused_owner_pid_is_dead_pid_reused_and_taken_over() {
     // No reconciler pass between the kill and the reuse, which would see pid_absent.
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
@@ -222,7 +223,7 @@ async fn reused_owner_pid_is_dead_pid_reused_and_taken_over() {
     let _ = impostor.wait().await;
 }
 
-#[tokio::test]
+stores!(an_owner_on_another_host_falls_back_to_the_ttl);
 async fn an_owner_on_another_host_falls_back_to_the_ttl() {
     let dir = tempfile::tempdir().expect("tempdir");
     let owner = Proc::sleep();

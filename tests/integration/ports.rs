@@ -5,9 +5,10 @@ use std::collections::HashSet;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+use crate::stores::stores;
 use crate::support::Server;
 
-#[tokio::test]
+stores!(concurrent_reservations_never_share_a_port);
 async fn concurrent_reservations_never_share_a_port() {
     let s = Server::start().await;
     let lease = s.acquire_ok("ports/race", "h").await;
@@ -50,7 +51,7 @@ async fn concurrent_reservations_never_share_a_port() {
     assert_eq!(s.get("/v1/ports").await.body["items"], json!([]));
 }
 
-#[tokio::test]
+stores!(release_needs_the_owners_token_and_a_full_range_is_exhausted);
 async fn release_needs_the_owners_token_and_a_full_range_is_exhausted() {
     let s = Server::start().await;
     let lease = s.acquire_ok("ports/one", "h").await;

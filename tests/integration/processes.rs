@@ -5,13 +5,14 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::stores::stores;
 use crate::support::{Proc, Server, alive, group_members, until};
 
 fn id(v: &serde_json::Value) -> String {
     v["id"].as_str().expect("id").to_owned()
 }
 
-#[tokio::test]
+stores!(spawn_with_ports_passes_them_and_captures_output);
 async fn spawn_with_ports_passes_them_and_captures_output() {
     let s = Server::start().await;
     let p = s
@@ -102,7 +103,7 @@ async fn spawn_with_ports_passes_them_and_captures_output() {
     );
 }
 
-#[tokio::test]
+stores!(exit_code_and_killing_signal_are_recorded);
 async fn exit_code_and_killing_signal_are_recorded() {
     let s = Server::start().await;
     let p = s
@@ -137,7 +138,7 @@ async fn exit_code_and_killing_signal_are_recorded() {
     assert_eq!(stop.body["state"], "exited");
 }
 
-#[tokio::test]
+stores!(a_program_that_cannot_run_is_422_and_nothing_is_recorded);
 async fn a_program_that_cannot_run_is_422_and_nothing_is_recorded() {
     let s = Server::start().await;
     for argv in [
@@ -194,7 +195,7 @@ async fn a_program_that_cannot_run_is_422_and_nothing_is_recorded() {
     assert_eq!(s.all_events().await, Vec::<serde_json::Value>::new());
 }
 
-#[tokio::test]
+stores!(register_confirm_and_stop_a_process_the_client_started);
 async fn register_confirm_and_stop_a_process_the_client_started() {
     let s = Server::start().await;
     let mut child = Proc::sleep();
@@ -305,7 +306,7 @@ async fn register_confirm_and_stop_a_process_the_client_started() {
     );
 }
 
-#[tokio::test]
+stores!(finish_reports_a_client_run_process_and_is_idempotent);
 async fn finish_reports_a_client_run_process_and_is_idempotent() {
     let s = Server::start().await;
     let mut child = Proc::sleep();
@@ -358,7 +359,7 @@ async fn finish_reports_a_client_run_process_and_is_idempotent() {
     assert_eq!(f.body["exit"]["code"], 2);
 }
 
-#[tokio::test]
+stores!(stop_kills_a_group_whose_leader_ignores_sigterm_grandchildren_included);
 async fn stop_kills_a_group_whose_leader_ignores_sigterm_grandchildren_included() {
     let s = Server::start().await;
     // The ignored TERM is inherited by the children too: only KILL ends them.
@@ -402,7 +403,7 @@ async fn stop_kills_a_group_whose_leader_ignores_sigterm_grandchildren_included(
     assert!(reaped, "zombies left under server {server}");
 }
 
-#[tokio::test]
+stores!(stop_without_force_leaves_a_stubborn_tree_running);
 async fn stop_without_force_leaves_a_stubborn_tree_running() {
     let s = Server::start().await;
     let p = s.spawn(json!({"kind": "stubborn", "command": {"argv": ["sh", "-c", "trap '' TERM; sleep 600 & wait"]}})).await;
@@ -427,7 +428,7 @@ async fn stop_without_force_leaves_a_stubborn_tree_running() {
     assert_eq!(r.body["state"], "stopped");
 }
 
-#[tokio::test]
+stores!(pid_1_kernel_threads_and_the_server_itself_are_never_confirmed);
 async fn pid_1_kernel_threads_and_the_server_itself_are_never_confirmed() {
     let s = Server::start().await;
     let me = crate::support::server_pid(&s);
@@ -458,7 +459,7 @@ async fn pid_1_kernel_threads_and_the_server_itself_are_never_confirmed() {
     }
 }
 
-#[tokio::test]
+stores!(stop_after_pid_reuse_signals_nothing_and_says_identity_mismatch);
 async fn stop_after_pid_reuse_signals_nothing_and_says_identity_mismatch() {
     let s = Server::start().await;
     let mut child = Proc::sleep();

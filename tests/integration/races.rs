@@ -8,14 +8,15 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+use crate::stores::stores;
 use crate::support::Server;
 
 const CLIENTS: usize = 32;
-const RESOURCES: usize = 4;
+pub(crate) const RESOURCES: usize = 4;
 const RUN_FOR: Duration = Duration::from_secs(3);
 
 /// Replay the events and check the invariants; returns acquisitions per resource.
-fn check_history(events: &[Value]) -> HashMap<String, usize> {
+pub(crate) fn check_history(events: &[Value]) -> HashMap<String, usize> {
     let mut current: HashMap<String, (String, i64)> = HashMap::new();
     let mut last_token: HashMap<String, i64> = HashMap::new();
     let mut acquired: HashMap<String, usize> = HashMap::new();
@@ -56,7 +57,7 @@ fn check_history(events: &[Value]) -> HashMap<String, usize> {
     acquired
 }
 
-async fn hammer(
+pub(crate) async fn hammer(
     client: reqwest::Client,
     base: String,
     me: usize,
@@ -99,7 +100,10 @@ async fn hammer(
     (won, lost)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+stores!(
+    concurrent_acquire_release_keeps_one_current_lease_and_increasing_tokens,
+    "multi_thread"
+);
 async fn concurrent_acquire_release_keeps_one_current_lease_and_increasing_tokens() {
     let s = Server::start().await;
     let until = Instant::now() + RUN_FOR;

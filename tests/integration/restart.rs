@@ -3,9 +3,10 @@
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::stores::stores;
 use crate::support::{Proc, Server};
 
-#[tokio::test]
+stores!(leases_and_tokens_survive_sigkill);
 async fn leases_and_tokens_survive_sigkill() {
     let dir = tempfile::tempdir().expect("tempdir");
     let owner = Proc::sleep();

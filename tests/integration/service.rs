@@ -3,9 +3,10 @@
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::stores::stores;
 use crate::support::Server;
 
-#[tokio::test]
+stores!(health_and_readiness);
 async fn health_and_readiness() {
     let s = Server::start().await;
     let h = s.get("/healthz").await;
@@ -27,7 +28,7 @@ async fn health_and_readiness() {
     );
 }
 
-#[tokio::test]
+stores!(healthcheck_fails_when_nothing_listens);
 async fn healthcheck_fails_when_nothing_listens() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .expect("bind")
@@ -42,7 +43,7 @@ async fn healthcheck_fails_when_nothing_listens() {
     assert!(!out.status.success());
 }
 
-#[tokio::test]
+stores!(metrics_count_acquisitions_conflicts_and_requests);
 async fn metrics_count_acquisitions_conflicts_and_requests() {
     let s = Server::start().await;
     s.acquire_ok("m", "a").await;
@@ -74,7 +75,7 @@ async fn metrics_count_acquisitions_conflicts_and_requests() {
     }
 }
 
-#[tokio::test]
+stores!(served_openapi_document_is_the_checked_in_one);
 async fn served_openapi_document_is_the_checked_in_one() {
     let s = Server::start().await;
     let served = s

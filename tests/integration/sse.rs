@@ -6,6 +6,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
+use crate::stores::stores;
 use crate::support::Server;
 
 /// An open event stream and what has been read of it.
@@ -71,7 +72,7 @@ impl Stream {
     }
 }
 
-#[tokio::test]
+stores!(a_resumed_stream_sees_every_event_once_in_order_across_a_restart);
 async fn a_resumed_stream_sees_every_event_once_in_order_across_a_restart() {
     let dir = tempfile::tempdir().expect("tempdir");
     let s = Server::start_in(dir.path(), &[]).await;
@@ -111,7 +112,7 @@ async fn a_resumed_stream_sees_every_event_once_in_order_across_a_restart() {
     }
 }
 
-#[tokio::test]
+stores!(retention_prunes_and_old_cursors_get_410);
 async fn retention_prunes_and_old_cursors_get_410() {
     let s = Server::start_with(&["--event-retention", "3", "--reconcile-interval-ms", "50"]).await;
     for i in 0..4 {

@@ -47,11 +47,13 @@ impl Server {
     pub async fn start_in(dir: &Path, args: &[&str]) -> Self {
         // In a session of its own, as a daemon would be: the processes the
         // tests start are then not in the server's session, which it refuses to signal.
+        let database = crate::stores::database_args(dir).await;
         let mut child = Command::new("setsid")
             .arg(env!("CARGO_BIN_EXE_holdfast"))
             .arg("serve")
             .args(["--listen", "127.0.0.1:0", "--data-dir"])
             .arg(dir)
+            .args(database)
             .args(args)
             .env("HOLDFAST_LOG", "info")
             .stdin(Stdio::null())
@@ -200,6 +202,14 @@ impl Server {
                 r.body
             );
             tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tmp) = &self._tmp {
+            crate::stores::drop_database_of(tmp.path());
         }
     }
 }

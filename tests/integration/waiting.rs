@@ -5,9 +5,10 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::stores::stores;
 use crate::support::Server;
 
-#[tokio::test]
+stores!(a_waiter_gets_the_lease_as_soon_as_it_is_released);
 async fn a_waiter_gets_the_lease_as_soon_as_it_is_released() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let held = s.acquire_ok("w", "first").await;
@@ -49,7 +50,7 @@ async fn a_waiter_gets_the_lease_as_soon_as_it_is_released() {
     );
 }
 
-#[tokio::test]
+stores!(a_waiter_takes_over_an_ownerless_lease_at_its_expiry_without_the_reconciler);
 async fn a_waiter_takes_over_an_ownerless_lease_at_its_expiry_without_the_reconciler() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let held = s
@@ -64,7 +65,7 @@ async fn a_waiter_takes_over_an_ownerless_lease_at_its_expiry_without_the_reconc
     assert_eq!(r.body["reclaimed"]["reason"], "ttl_expired");
 }
 
-#[tokio::test]
+stores!(a_wait_that_runs_out_answers_lease_held);
 async fn a_wait_that_runs_out_answers_lease_held() {
     let s = Server::start().await;
     s.acquire_ok("y", "first").await;
@@ -81,7 +82,7 @@ async fn a_wait_that_runs_out_answers_lease_held() {
     );
 }
 
-#[tokio::test]
+stores!(many_waiters_each_get_the_lease_once_in_turn);
 async fn many_waiters_each_get_the_lease_once_in_turn() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let n = 16;
@@ -122,7 +123,7 @@ async fn many_waiters_each_get_the_lease_once_in_turn() {
     );
 }
 
-#[tokio::test]
+stores!(waiters_get_the_lease_first_come_first_served);
 async fn waiters_get_the_lease_first_come_first_served() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let held = s.acquire_ok("fcfs", "first").await;

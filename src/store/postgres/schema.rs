@@ -26,13 +26,19 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
         .execute(&mut *tx)
         .await
         .map_err(map_err)?;
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS holdfast_schema (\
-           version BIGINT PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
-    )
-    .execute(&mut *tx)
-    .await
-    .map_err(map_err)?;
+    let tracked: bool = sqlx::query_scalar("SELECT to_regclass('holdfast_schema') IS NOT NULL")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(map_err)?;
+    if !tracked {
+        sqlx::raw_sql(
+            "CREATE TABLE holdfast_schema (\
+               version BIGINT PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())",
+        )
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
+    }
     let current: i64 = sqlx::query_scalar("SELECT COALESCE(max(version), 0) FROM holdfast_schema")
         .fetch_one(&mut *tx)
         .await

@@ -1,0 +1,272 @@
+//! Two holdfast servers with different host ids on one PostgreSQL: one
+//! fleet. These run on PostgreSQL only.
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::races::{RESOURCES, check_history, hammer};
+use crate::stores::{Store, run, share_database};
+use crate::support::{Proc, Server, alive};
+
+/// Servers "host-a" and "host-b" on one database, each with its own data
+/// directory; `args` go to both.
+async fn two_hosts(args: &[&str]) -> (Server, Server, [tempfile::TempDir; 2]) {
+    let dirs = [
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    ];
+    let a = Server::start_in(dirs[0].path(), &[&["--host-id", "host-a"], args].concat()).await;
+    share_database(dirs[0].path(), dirs[1].path());
+    let b = Server::start_in(dirs[1].path(), &[&["--host-id", "host-b"], args].concat()).await;
+    (a, b, dirs)
+}
+
+fn id(v: &serde_json::Value) -> String {
+    v["id"].as_str().expect("id").to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_racing_on_two_hosts_keep_one_current_lease_and_increasing_tokens() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "100"]).await;
+        let until = Instant::now() + Duration::from_secs(3);
+        let tasks: Vec<_> = (0..64)
+            .map(|me| {
+                let s = if me % 2 == 0 { &a } else { &b };
+                tokio::spawn(hammer(s.client.clone(), s.base.clone(), me, until))
+            })
+            .collect();
+        let mut won = 0;
+        for t in tasks {
+            won += t.await.expect("client").0;
+        }
+        let events = a.all_events().await;
+        let acquired = check_history(&events);
+        assert_eq!(
+            acquired.values().sum::<usize>(),
+            won,
+            "every 201 has its event"
+        );
+        assert_eq!(acquired.len(), RESOURCES);
+        assert_eq!(
+            b.all_events().await,
+            events,
+            "one stream, the same on both hosts"
+        );
+        eprintln!("fleet race: {won} acquisitions by 64 clients on two hosts");
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_lease_owned_on_one_host_is_remote_on_the_other_and_taken_only_after_its_ttl() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "50"]).await;
+        let owner = Proc::sleep();
+        let held = a
+            .acquire(json!({"resource": "fleet/owned", "holder": "a", "owner": {"pid": owner.pid()}, "ttl_ms": 1500}))
+            .await;
+        assert_eq!(held.status, StatusCode::CREATED, "{}", held.body);
+        assert_eq!(a.lease(&id(&held.body)).await["owner_status"], "live");
+        assert_eq!(b.lease(&id(&held.body)).await["owner_status"], "remote");
+
+        let r = b
+            .acquire(json!({"resource": "fleet/owned", "holder": "b", "ttl_ms": 5000}))
+            .await;
+        assert_eq!((r.status, r.code()), (StatusCode::CONFLICT, "lease_held"), "{}", r.body);
+        let r = b
+            .acquire(json!({"resource": "fleet/owned", "holder": "b", "ttl_ms": 5000, "wait_ms": 10_000}))
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        assert_eq!(r.body["reclaimed"]["id"], held.body["id"]);
+        assert_eq!(r.body["reclaimed"]["reason"], "ttl_expired");
+        let expired_at = held.body["expires_at"].as_str().expect("expires_at");
+        let taken_at = r.body["acquired_at"].as_str().expect("acquired_at");
+        assert!(taken_at >= expired_at, "taken at {taken_at}, before the TTL ran out at {expired_at}");
+        assert!(r.body["token"].as_i64() > held.body["token"].as_i64());
+        assert_eq!(a.lease(&id(&held.body)).await["state"], "expired");
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_host_never_signals_another_hosts_process_and_claims_only_its_own() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "50"]).await;
+        let lease = a.acquire_ok("fleet/proc", "a").await;
+        let lease_ref = json!({"id": lease["id"], "token": lease["token"]});
+        let p = a
+            .spawn(
+                json!({"kind": "dev", "lease": lease_ref, "command": {"argv": ["sleep", "600"]}}),
+            )
+            .await;
+        let pid = p["pid"].as_i64().expect("pid");
+        assert_eq!(b.process(&id(&p)).await["status"], "remote");
+        let r = b.process_op(&id(&p), "stop", json!({"token": 1})).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::CONFLICT, "remote_process"),
+            "{}",
+            r.body
+        );
+        assert!(alive(pid));
+
+        // The lease ends on host B: host A, told through the database,
+        // claims and stops its own process; B never touches it.
+        let broke = b
+            .lease_op(&id(&lease), "break", json!({"reason": "test"}))
+            .await;
+        assert_eq!(broke.status, StatusCode::OK, "{}", broke.body);
+        let path = format!("/v1/processes/{}", id(&p));
+        let done = b
+            .eventually(&path, Duration::from_secs(10), |v| v["state"] == "stopped")
+            .await;
+        assert_eq!(done["end_reason"], "orphan_reconciled");
+        assert!(!alive(pid));
+        let stops: Vec<_> = a
+            .all_events()
+            .await
+            .into_iter()
+            .filter(|e| e["type"] == "process.stopped")
+            .collect();
+        assert_eq!(stops.len(), 1, "{stops:?}");
+    })
+    .await
+}
+
+#[tokio::test]
+async fn when_a_host_dies_the_other_takes_over_its_ttl_leases_after_expiry() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "50"]).await;
+        let owner = Proc::sleep();
+        let owned = a
+            .acquire(json!({"resource": "fleet/dies-owned", "holder": "a", "owner": {"pid": owner.pid()}, "ttl_ms": 1000}))
+            .await
+            .body;
+        let bare = a
+            .acquire(json!({"resource": "fleet/dies-bare", "holder": "a", "ttl_ms": 1000}))
+            .await
+            .body;
+        a.kill9().await;
+
+        // B's reconciler expires both, with no acquirer asking.
+        for lease in [&owned, &bare] {
+            let path = format!("/v1/leases/{}", id(lease));
+            let ended = b
+                .eventually(&path, Duration::from_secs(10), |v| v["state"] == "expired")
+                .await;
+            assert!(ended["ended_at"].as_str() >= lease["expires_at"].as_str());
+        }
+        let next = b.acquire_ok("fleet/dies-owned", "b").await;
+        assert!(next["token"].as_i64() > owned["token"].as_i64());
+    })
+    .await
+}
+
+#[tokio::test]
+async fn waiters_and_event_readers_on_one_host_wake_for_changes_made_on_the_other() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "3600000"]).await;
+        let held = a.acquire_ok("fleet/wake", "a").await;
+        let after = b.all_events().await.last().expect("an event")["seq"].clone();
+
+        let waiter = {
+            let (client, url) = (b.client.clone(), b.url("/v1/leases"));
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let r = client
+                    .post(url)
+                    .json(&json!({"resource": "fleet/wake", "holder": "b", "ttl_ms": 60_000, "wait_ms": 20_000}))
+                    .send()
+                    .await
+                    .expect("acquire");
+                (r.status(), started.elapsed())
+            })
+        };
+        let poll = {
+            let (client, url) = (b.client.clone(), b.url(&format!("/v1/events?after={after}&wait_ms=20000")));
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let r = client.get(url).send().await.expect("events");
+                let body: serde_json::Value = r.json().await.expect("json");
+                (body, started.elapsed())
+            })
+        };
+        // Let both requests start waiting, then release on the other host.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let r = a
+            .lease_op(&id(&held), "release", json!({"token": held["token"]}))
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+
+        let (status, waited) = waiter.await.expect("waiter");
+        assert_eq!(status, StatusCode::CREATED);
+        assert!(waited < Duration::from_secs(10), "woken by the release, not a timeout: {waited:?}");
+        let (events, waited) = poll.await.expect("poll");
+        assert_eq!(events["items"][0]["type"], "lease.released", "{events}");
+        assert!(waited < Duration::from_secs(10), "{waited:?}");
+    })
+    .await
+}
+
+#[tokio::test]
+async fn operation_ids_are_fleet_wide_and_ports_are_per_host() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&[]).await;
+        let first = a
+            .post(
+                "/v1/processes",
+                json!({"kind": "job", "operation_id": "deploy-42"}),
+            )
+            .await;
+        assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+        let second = b
+            .post(
+                "/v1/processes",
+                json!({"kind": "job", "operation_id": "deploy-42"}),
+            )
+            .await;
+        assert_eq!(
+            (second.status, second.code()),
+            (StatusCode::CONFLICT, "operation_in_progress"),
+            "{}",
+            second.body
+        );
+
+        // The same port number may be reserved on each host, once.
+        let owner = |s: &serde_json::Value| json!({"lease": {"id": s["id"], "token": s["token"]}});
+        let la = a.acquire_ok("fleet/ports-a", "a").await;
+        let lb = b.acquire_ok("fleet/ports-b", "b").await;
+        let range = json!([29_990, 29_990]);
+        let pa = a
+            .post(
+                "/v1/ports",
+                json!({"names": ["http"], "owner": owner(&la), "range": range}),
+            )
+            .await;
+        assert_eq!(pa.status, StatusCode::CREATED, "{}", pa.body);
+        let pb = b
+            .post(
+                "/v1/ports",
+                json!({"names": ["http"], "owner": owner(&lb), "range": range}),
+            )
+            .await;
+        assert_eq!(pb.status, StatusCode::CREATED, "{}", pb.body);
+        assert_eq!(pa.body["ports"]["http"], pb.body["ports"]["http"]);
+        let again = a
+            .post(
+                "/v1/ports",
+                json!({"names": ["http"], "owner": owner(&la), "range": range}),
+            )
+            .await;
+        assert_eq!(
+            (again.status, again.code()),
+            (StatusCode::CONFLICT, "ports_exhausted"),
+            "{}",
+            again.body
+        );
+    })
+    .await
+}
