@@ -112,7 +112,7 @@ async fn list_events(
     }
     // Subscribe before reading, so an event committed in between still wakes us.
     let mut newest = state.hub.subscribe_events();
-    let mut rows = state.store.backend().events(after, limit).await?;
+    let mut rows = read_events(&state, after, limit).await?;
     if rows.is_empty() && wait_ms > 0 {
         let _permit = state
             .hub
@@ -126,7 +126,7 @@ async fn list_events(
             .await
             .is_ok_and(|r| r.is_ok());
         if woken {
-            rows = state.store.backend().events(after, limit).await?;
+            rows = read_events(&state, after, limit).await?;
         }
     }
     let mut out = String::from("{\"items\":[");
@@ -158,6 +158,20 @@ fn check_not_pruned(state: &AppState, after: i64) -> Result<(), ApiError> {
         });
     }
     Ok(())
+}
+
+/// Events after `after`. A gap after `after` means retention removed some,
+/// perhaps on another host of a fleet since this one last looked: then the
+/// watermark is read again and the reader gets `events_pruned`, never a
+/// silent hole in its history.
+async fn read_events(state: &AppState, after: i64, limit: u32) -> Result<Vec<EventRow>, ApiError> {
+    let rows = state.store.backend().events(after, limit).await?;
+    if rows.first().is_some_and(|r| r.seq != after + 1) {
+        let pruned = state.store.backend().pruned_through().await?;
+        state.hub.pruned_through.fetch_max(pruned, Ordering::SeqCst);
+        check_not_pruned(state, after)?;
+    }
+    Ok(rows)
 }
 
 /// The event type, read back from the stored body for the SSE `event:` line.
@@ -218,8 +232,9 @@ fn stream(
                     c,
                 ));
             }
-            match c.state.store.backend().events(c.after, 500).await {
+            match read_events(&c.state, c.after, 500).await {
                 Ok(rows) if !rows.is_empty() => c.pending.extend(rows),
+                Err(ApiError::EventsPruned { .. }) => continue,
                 Ok(_) => {
                     let after = c.after;
                     if c.newest.wait_for(|seq| *seq > after).await.is_err() {
@@ -228,7 +243,12 @@ fn stream(
                 }
                 Err(e) => {
                     c.done = true;
-                    let data = serde_json::json!({"code": "unavailable", "detail": e.to_string()});
+                    let detail = match e {
+                        ApiError::Unavailable(d) | ApiError::Internal(d) => d,
+                        ApiError::Busy => "the store is busy".into(),
+                        other => format!("{other:?}"),
+                    };
+                    let data = serde_json::json!({"code": "unavailable", "detail": detail});
                     return Some((
                         Ok(SseEvent::default().event("error").data(data.to_string())),
                         c,

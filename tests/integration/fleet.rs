@@ -13,13 +13,20 @@ use crate::support::{Proc, Server, alive};
 /// Servers "host-a" and "host-b" on one database, each with its own data
 /// directory; `args` go to both.
 async fn two_hosts(args: &[&str]) -> (Server, Server, [tempfile::TempDir; 2]) {
+    two_hosts_with(args, args).await
+}
+
+async fn two_hosts_with(
+    a_args: &[&str],
+    b_args: &[&str],
+) -> (Server, Server, [tempfile::TempDir; 2]) {
     let dirs = [
         tempfile::tempdir().expect("tempdir"),
         tempfile::tempdir().expect("tempdir"),
     ];
-    let a = Server::start_in(dirs[0].path(), &[&["--host-id", "host-a"], args].concat()).await;
+    let a = Server::start_in(dirs[0].path(), &[&["--host-id", "host-a"], a_args].concat()).await;
     share_database(dirs[0].path(), dirs[1].path());
-    let b = Server::start_in(dirs[1].path(), &[&["--host-id", "host-b"], args].concat()).await;
+    let b = Server::start_in(dirs[1].path(), &[&["--host-id", "host-b"], b_args].concat()).await;
     (a, b, dirs)
 }
 
@@ -267,6 +274,36 @@ async fn operation_ids_are_fleet_wide_and_ports_are_per_host() {
             "{}",
             again.body
         );
+    })
+    .await
+}
+
+#[tokio::test]
+async fn events_pruned_by_one_host_are_410_on_the_other_not_a_silent_gap() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts_with(
+            &["--event-retention", "3", "--reconcile-interval-ms", "50"],
+            &["--reconcile-interval-ms", "3600000"],
+        )
+        .await;
+        for i in 0..5 {
+            a.acquire_ok(&format!("fleet/pruned/{i}"), "a").await;
+        }
+        a.eventually("/v1/events?after=0", Duration::from_secs(10), |v| {
+            v["code"] == "events_pruned"
+        })
+        .await;
+        let r = b.get("/v1/events?after=0").await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::GONE, "events_pruned"),
+            "{}",
+            r.body
+        );
+        let oldest = r.body["oldest_seq"].as_i64().expect("oldest_seq");
+        let r = b.get(&format!("/v1/events?after={}", oldest - 1)).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.body["items"][0]["seq"], oldest);
     })
     .await
 }
