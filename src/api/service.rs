@@ -32,17 +32,31 @@ async fn healthz() -> Json<Health> {
     Json(Health { status: "ok" })
 }
 
-/// 200 when the store is open, migrated and writable; 503 otherwise.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Readiness {
+    #[schema(example = "ok")]
+    pub status: &'static str,
+    /// The store this server uses: `sqlite` (embedded) or `postgres` (shared by a fleet).
+    #[schema(example = "sqlite")]
+    pub store: &'static str,
+}
+
+/// 200 when the store is open, migrated and writable (on PostgreSQL: the
+/// database answers and this host can take the fleet's write lock); 503 otherwise.
 #[utoipa::path(
     get, path = "/readyz", tag = "service",
     responses(
-        (status = 200, body = Health),
+        (status = 200, body = Readiness),
         (status = 503, description = "`unavailable` or `busy`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn readyz(State(state): State<AppState>) -> Result<Json<Health>, ApiError> {
-    state.store.backend().check_writable().await?;
-    Ok(Json(Health { status: "ok" }))
+async fn readyz(State(state): State<AppState>) -> Result<Json<Readiness>, ApiError> {
+    let store = state.store.backend();
+    store.check_writable().await?;
+    Ok(Json(Readiness {
+        status: "ok",
+        store: store.kind(),
+    }))
 }
 
 /// Prometheus text format.

@@ -162,6 +162,8 @@ pub trait Backend: Send + Sync + 'static {
     /// A small write that proves the store is open, migrated and writable.
     fn check_writable(&self) -> BoxFuture<'_, Result<()>>;
     fn close(&self) -> BoxFuture<'_, ()>;
+    /// Which store this is, as `/readyz` names it: `sqlite` or `postgres`.
+    fn kind(&self) -> &'static str;
     /// Whether renewals may be answered before they reach stable storage
     /// (a single-host store that extends TTLs after a crash instead).
     fn relaxed_renewals(&self) -> bool;

@@ -16,6 +16,11 @@ async fn health_and_readiness() {
     );
     let r = s.get("/readyz").await;
     assert_eq!(r.status, StatusCode::OK);
+    let store = match crate::stores::current() {
+        crate::stores::Store::Sqlite => "sqlite",
+        crate::stores::Store::Postgres => "postgres",
+    };
+    assert_eq!(r.body, json!({"status": "ok", "store": store}));
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
         .args(["healthcheck", "--url", &s.base])
         .output()

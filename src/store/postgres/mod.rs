@@ -33,17 +33,27 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
         sqlx::Error::Database(db) => match db.code().as_deref().unwrap_or("") {
             // Serialization failure, deadlock, lock timeout, statement cancelled.
             "40001" | "40P01" | "55P03" | "57014" => StoreError::Busy,
-            // Read-only transaction (a standby), connection and resource classes, shutdown.
+            // Read-only transaction (a standby); connection, authorization,
+            // missing database and resource classes; shutdown.
             c if c == "25006"
-                || c.starts_with("08")
-                || c.starts_with("53")
-                || c.starts_with("57P") =>
+                || ["08", "28", "3D", "53", "57P"]
+                    .iter()
+                    .any(|class| c.starts_with(class)) =>
             {
                 StoreError::Unavailable(e.to_string())
             }
             _ => StoreError::Other(e.to_string()),
         },
         _ => StoreError::Other(e.to_string()),
+    }
+}
+
+/// For a failure to get a connection: whatever the driver says, the
+/// database cannot be reached, unless every connection is merely in use.
+pub(crate) fn map_conn_err(e: sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::PoolTimedOut => StoreError::Busy,
+        e => StoreError::Unavailable(format!("cannot reach the database: {e}")),
     }
 }
 
@@ -109,7 +119,7 @@ impl PgStore {
     }
 
     async fn conn(&self) -> Result<PoolConnection<Postgres>> {
-        self.pool.acquire().await.map_err(map_err)
+        self.pool.acquire().await.map_err(map_conn_err)
     }
 }
 
@@ -199,6 +209,10 @@ impl Backend for PgStore {
             let job: JobFn = Box::new(|_tx| Box::pin(async { Ok(Box::new(()) as JobOutput) }));
             self.writer.write(job).await.map(|_| ())
         })
+    }
+
+    fn kind(&self) -> &'static str {
+        "postgres"
     }
 
     fn relaxed_renewals(&self) -> bool {

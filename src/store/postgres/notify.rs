@@ -128,7 +128,7 @@ fn encode(m: &Message) -> Option<String> {
 }
 
 async fn resync(pool: &PgPool, listener: &dyn CommitListener) -> Result<()> {
-    let mut c = pool.acquire().await.map_err(map_err)?;
+    let mut c = pool.acquire().await.map_err(super::map_conn_err)?;
     let seq = super::rows::last_event_seq(&mut c).await?;
     listener.committed(&[Effect::Event(seq), Effect::Missed]);
     Ok(())

@@ -17,7 +17,7 @@ use futures_util::FutureExt;
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 
-use super::{map_err, rows, rows_process as procs};
+use super::{map_conn_err, map_err, rows, rows_process as procs};
 use crate::model::{LeaseRecord, PortRecord, ProcessRecord};
 use crate::store::{BoxFuture, CommitListener, Effect, JobFn, JobOutput, Result, StoreError, Tx};
 use crate::time::Millis;
@@ -104,7 +104,7 @@ impl Writer {
     async fn run_batch(&self, batch: Vec<Job>) {
         let mut conn = match self.pool.acquire().await {
             Ok(c) => c,
-            Err(e) => return fail(batch.into_iter().map(|j| j.reply), &map_err(e)),
+            Err(e) => return fail(batch.into_iter().map(|j| j.reply), &map_conn_err(e)),
         };
         let begun = async {
             exec(&mut conn, "BEGIN").await?;

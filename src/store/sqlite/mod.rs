@@ -247,6 +247,10 @@ impl Backend for SqliteStore {
         })
     }
 
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+
     fn relaxed_renewals(&self) -> bool {
         true
     }

@@ -1,0 +1,119 @@
+//! The PostgreSQL store's own behaviour: clear startup errors, and a
+//! database outage answered with 503 and recovered from without a restart.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::json;
+use sqlx::Connection;
+
+use crate::stores::{Store, database_for, postgres_base, run};
+use crate::support::Server;
+
+/// Run `holdfast serve` with `args`, expecting it to exit: its stderr.
+async fn fails_to_start(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir)
+            .args(args)
+            .output(),
+    )
+    .await
+    .expect("exits in time")
+    .expect("runs");
+    assert!(!out.status.success(), "it started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+async fn admin() -> sqlx::PgConnection {
+    let base = postgres_base().expect("PostgreSQL tests are on");
+    sqlx::PgConnection::connect(&format!("{base}/postgres"))
+        .await
+        .expect("connect")
+}
+
+#[tokio::test]
+async fn an_unreachable_database_is_a_clear_startup_error_without_the_password() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = "postgres://holdfast:s3cret@127.0.0.1:1/fleet";
+    let err = fails_to_start(
+        dir.path(),
+        &["--database", url, "--database-timeout-ms", "500"],
+    )
+    .await;
+    assert!(
+        err.contains("cannot reach PostgreSQL at postgres://127.0.0.1:1/fleet"),
+        "{err}"
+    );
+    assert!(!err.contains("s3cret"), "{err}");
+}
+
+#[tokio::test]
+async fn a_schema_newer_than_this_build_is_refused() {
+    run(Store::Postgres, async {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = Server::start_in(dir.path(), &[]).await;
+        s.kill9().await;
+        let url = database_for(dir.path()).await;
+        let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
+        sqlx::query("INSERT INTO holdfast_schema (version) VALUES (99)")
+            .execute(&mut db)
+            .await
+            .expect("insert");
+        let err = fails_to_start(dir.path(), &["--database", &url]).await;
+        assert!(
+            err.contains("schema is version 99, newer than this holdfast knows"),
+            "{err}"
+        );
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_database_outage_answers_503_and_the_server_recovers_by_itself() {
+    run(Store::Postgres, async {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = Server::start_in(dir.path(), &["--database-timeout-ms", "1000"]).await;
+        let ready = s.get("/readyz").await;
+        assert_eq!(ready.status, StatusCode::OK);
+        assert_eq!(ready.body, json!({"status": "ok", "store": "postgres"}));
+        let held = s.acquire_ok("outage/a", "h").await;
+
+        let url = database_for(dir.path()).await;
+        let name = url.rsplit('/').next().expect("name").to_owned();
+        let mut admin = admin().await;
+        for sql in [
+            format!("ALTER DATABASE {name} ALLOW_CONNECTIONS false"),
+            format!(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+            ),
+        ] {
+            sqlx::query(&sql).execute(&mut admin).await.expect("outage");
+        }
+        let r = s.get("/readyz").await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+        let r = s
+            .acquire(json!({"resource": "outage/b", "holder": "h", "ttl_ms": 60_000}))
+            .await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+        assert!(["unavailable", "busy"].contains(&r.code()), "{}", r.body);
+
+        sqlx::query(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
+            .execute(&mut admin)
+            .await
+            .expect("recover");
+        s.eventually("/readyz", Duration::from_secs(10), |v| v["status"] == "ok")
+            .await;
+        assert_eq!(
+            s.lease(held["id"].as_str().expect("id")).await["state"],
+            "active"
+        );
+        let r = s
+            .acquire(json!({"resource": "outage/b", "holder": "h", "ttl_ms": 60_000}))
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    })
+    .await
+}
