@@ -5,8 +5,14 @@
 //! ```text
 //! cargo build --release
 //! cargo bench --bench holdfast-bench -- [--url http://127.0.0.1:7427] \
-//!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn]
+//!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn] \
+//!     [--stores sqlite,postgres] [--postgres postgres://postgres@127.0.0.1:5432]
 //! ```
+//!
+//! `--stores` (without `--url`) starts one server per store and runs every
+//! workload and C on each in turn, so the stores are compared in the same run
+//! under the same machine load. For `postgres` the bench creates a database
+//! `holdfast_bench_<run id>` on the `--postgres` server and drops it at the end.
 //!
 //! Without `--url` the bench builds nothing: it starts `target/release/holdfast serve`
 //! (run `cargo build --release` first) on a free loopback port with a fresh temporary
@@ -46,7 +52,8 @@ use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 
 const USAGE: &str = "usage: cargo bench --bench holdfast-bench -- [--url URL] \
-    [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn]";
+    [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn] \
+    [--stores sqlite,postgres] [--postgres URL]";
 
 #[derive(Clone, Copy)]
 enum Workload {
@@ -77,6 +84,8 @@ impl Workload {
 
 struct Args {
     url: Option<String>,
+    stores: Vec<String>,
+    postgres: String,
     concurrency: Vec<usize>,
     seconds: f64,
     workloads: Vec<Workload>,
@@ -97,6 +106,8 @@ fn parse_list<T>(v: &str, item: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, St
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         url: None,
+        stores: vec!["sqlite".into()],
+        postgres: "postgres://postgres@127.0.0.1:5432".into(),
         concurrency: vec![1, 8, 64],
         seconds: 5.0,
         workloads: Workload::ALL.to_vec(),
@@ -106,6 +117,11 @@ fn parse_args() -> Result<Args, String> {
         let value = it.next().ok_or(format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--url" => args.url = Some(value.trim_end_matches('/').to_string()),
+            "--postgres" => args.postgres = value.trim_end_matches('/').to_string(),
+            "--stores" => {
+                let known = |s: &str| ["sqlite", "postgres"].contains(&s).then(|| s.to_owned());
+                args.stores = ctx(parse_list(&value, known), "--stores")?;
+            }
             "--seconds" => match value.parse::<f64>() {
                 Ok(s) if s.is_finite() && s > 0.0 => args.seconds = s,
                 _ => return Err(format!("--seconds: {value:?} is not a positive number")),
@@ -120,6 +136,9 @@ fn parse_args() -> Result<Args, String> {
             }
             _ => return Err(format!("unknown argument {flag:?}")),
         }
+    }
+    if args.url.is_some() && args.stores.len() > 1 {
+        return Err("--url measures one server: give --stores only without it".into());
     }
     Ok(args)
 }
@@ -166,7 +185,7 @@ impl Stats {
     fn report(&mut self, (name, unit): (&str, &str), c: usize, rate: f64, extra: &str) {
         self.latencies_us.sort_unstable();
         let (p50, p99) = (self.percentile_ms(50.0), self.percentile_ms(99.0));
-        print!("{name:<10} C={c:>3} {rate:>9.1} {unit:<16}  p50 {p50:>7.2} ms   ");
+        print!("{name:<19} C={c:>3} {rate:>9.1} {unit:<16}  p50 {p50:>7.2} ms   ");
         println!("p99 {p99:>7.2} ms   errors {}{extra}", self.errors);
     }
 }
@@ -341,15 +360,22 @@ async fn spawn_reference(c: usize, seconds: f64) -> f64 {
 
 /// Runs one workload with `c` client tasks and prints its line (for `spawn`, after
 /// the line of its reference).
-async fn run_workload(api: &Api, workload: Workload, c: usize, seconds: f64, run_id: &str) {
+async fn run_workload(
+    api: &Api,
+    store: &str,
+    workload: Workload,
+    c: usize,
+    seconds: f64,
+    run_id: &str,
+) {
     let reference = match workload {
         Workload::Spawn => spawn_reference(c, seconds).await,
         _ => f64::NAN,
     };
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(seconds);
-    let (name, _) = workload.labels();
-    let prefix = format!("bench/{name}/{run_id}/{c}");
+    let (name, unit) = workload.labels();
+    let prefix = format!("bench/{name}/{run_id}/{store}/{c}");
     let tasks: Vec<_> = (0..c)
         .map(|i| {
             let (api, own) = (api.clone(), format!("{prefix}/{i}"));
@@ -370,7 +396,7 @@ async fn run_workload(api: &Api, workload: Workload, c: usize, seconds: f64, run
         Workload::Spawn => format!("   ratio {:.2} of raw fork+exec+wait", rate / reference),
         _ => String::new(),
     };
-    total.report(workload.labels(), c, rate, &extra);
+    total.report((&format!("{name}/{store}"), unit), c, rate, &extra);
 }
 
 /// A server started by the bench: killed on drop, then its temp data dir is removed.
@@ -380,7 +406,7 @@ struct LocalServer {
 }
 
 /// Starts the release binary on a free port; returns it and its base URL.
-fn start_server() -> Result<(LocalServer, String), String> {
+fn start_server(database: Option<&str>) -> Result<(LocalServer, String), String> {
     let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/holdfast");
     if !bin.is_file() {
         let shown = bin.display();
@@ -399,6 +425,9 @@ fn start_server() -> Result<(LocalServer, String), String> {
     let listen = format!("127.0.0.1:{port}");
     cmd.args(["serve", "--listen", &listen, "--data-dir"])
         .arg(data_dir.path());
+    if let Some(url) = database {
+        cmd.args(["--database", url]);
+    }
     cmd.stdin(Stdio::null())
         .stdout(stdout)
         .stderr(stderr)
@@ -435,6 +464,31 @@ async fn wait_ready(api: &Api, mut server: Option<&mut LocalServer>) -> Result<(
     }
 }
 
+/// A fresh database for a bench server on the PostgreSQL server `base`.
+async fn create_database(base: &str, name: &str) -> Result<String, String> {
+    use sqlx::Connection;
+    let admin = format!("{base}/postgres");
+    let mut c = ctx(
+        sqlx::PgConnection::connect(&admin).await,
+        format!("cannot reach {base}"),
+    )?;
+    let create = sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut c)
+        .await;
+    ctx(create, "cannot create the bench database")?;
+    Ok(format!("{base}/{name}"))
+}
+
+async fn drop_database(base: &str, name: &str) {
+    use sqlx::Connection;
+    if let Ok(mut c) = sqlx::PgConnection::connect(&format!("{base}/postgres")).await {
+        let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+        if let Err(e) = sqlx::query(&sql).execute(&mut c).await {
+            eprintln!("holdfast-bench: could not drop {name}: {e}");
+        }
+    }
+}
+
 async fn run(args: Args) -> Result<(), String> {
     let client = Client::builder()
         .pool_max_idle_per_host(256)
@@ -442,33 +496,67 @@ async fn run(args: Args) -> Result<(), String> {
         .timeout(Duration::from_secs(90)) // longer than the 60 s contended wait
         .build();
     let client = ctx(client, "cannot build the HTTP client")?;
-    let (mut server, base) = match args.url {
-        Some(url) => (None, url),
-        None => start_server().map(|(s, url)| (Some(s), url))?,
-    };
-    let api = Api { client, base };
-    wait_ready(&api, server.as_mut()).await?;
-
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let run_id = format!("{nanos:x}");
+    let bench_db = format!("holdfast_bench_{run_id}");
+
+    // (store, API, the server when the bench started it)
+    let mut targets = Vec::new();
+    if let Some(url) = &args.url {
+        let store = args.stores.first().cloned().unwrap_or_default();
+        targets.push((store, url.clone(), None));
+    } else {
+        for store in &args.stores {
+            let database = match store.as_str() {
+                "postgres" => Some(create_database(&args.postgres, &bench_db).await?),
+                _ => None,
+            };
+            let (server, url) = start_server(database.as_deref())?;
+            targets.push((store.clone(), url, Some(server)));
+        }
+    }
+    let mut apis = Vec::new();
+    for (store, base, server) in &mut targets {
+        let api = Api {
+            client: client.clone(),
+            base: base.clone(),
+        };
+        wait_ready(&api, server.as_mut()).await?;
+        apis.push((store.clone(), api));
+    }
+
     let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let (base, secs) = (&api.base, args.seconds);
-    let (ours, shared) = match server {
-        Some(_) => ("yes", " (shared by bench and server)"),
-        None => ("no", ""),
+    let secs = args.seconds;
+    let ours = if args.url.is_some() { "no" } else { "yes" };
+    for (store, api) in &apis {
+        println!(
+            "holdfast-bench: {store} server {}, started by bench: {ours}",
+            api.base
+        );
+    }
+    let shared = if args.url.is_none() {
+        " (shared by bench and server)"
+    } else {
+        ""
     };
-    println!("holdfast-bench: server {base}, started by bench: {ours}");
     println!("nproc {nproc}{shared}, run id {run_id}, {secs} s per run\n");
     for &workload in &args.workloads {
         for &c in &args.concurrency {
-            run_workload(&api, workload, c, args.seconds, &run_id).await;
+            for (store, api) in &apis {
+                run_workload(api, store, workload, c, args.seconds, &run_id).await;
+            }
         }
     }
 
-    if let Some(mut s) = server {
-        ctx(s.child.kill().await, "cannot kill the server")?;
+    for (store, _, server) in targets {
+        if let Some(mut s) = server {
+            ctx(s.child.kill().await, "cannot kill the server")?;
+            if store == "postgres" {
+                drop_database(&args.postgres, &bench_db).await;
+            }
+        }
     }
     Ok(())
 }
