@@ -69,17 +69,19 @@ pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            () = parts.hub.reconcile_soon.notified() => {}
+        // Pruning is a write (on PostgreSQL, under the fleet's write lock):
+        // on the timer only, not after every lease end.
+        let timer = tokio::select! {
+            _ = tick.tick() => true,
+            () = parts.hub.reconcile_soon.notified() => false,
             _ = shutdown.wait_for(|stop| *stop) => return,
-        }
+        };
         match leases_pass(&parts.store, &parts.leases).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(ended = n, "reconciler ended leases"),
             Err(e) => tracing::warn!(error = %e, "reconciler pass over leases failed"),
         }
-        if let Err(e) = prune(&parts).await {
+        if timer && let Err(e) = prune(&parts).await {
             tracing::warn!(error = %e, "pruning events failed");
         }
         match parts.processes.reconcile().await {

@@ -33,10 +33,12 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
         sqlx::Error::Database(db) => match db.code().as_deref().unwrap_or("") {
             // Serialization failure, deadlock, lock timeout, statement cancelled.
             "40001" | "40P01" | "55P03" | "57014" => StoreError::Busy,
-            // Read-only transaction (a standby); connection, authorization,
-            // missing database and resource classes; shutdown.
+            // Read-only transaction (a standby), a session ended for idling
+            // in a transaction; connection, authorization, missing database,
+            // resource and system (I/O) classes; shutdown.
             c if c == "25006"
-                || ["08", "28", "3D", "53", "57P"]
+                || c == "25P03"
+                || ["08", "28", "3D", "53", "57P", "58"]
                     .iter()
                     .any(|class| c.starts_with(class)) =>
             {
@@ -48,11 +50,14 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     }
 }
 
-/// For a failure to get a connection: whatever the driver says, the
-/// database cannot be reached, unless every connection is merely in use.
-pub(crate) fn map_conn_err(e: sqlx::Error) -> StoreError {
+/// For a failure to get a connection from `pool`: the database cannot be
+/// reached, unless every connection is merely in use. (sqlx answers a
+/// refused connect it kept retrying with the same timeout as a full pool.)
+pub(crate) fn map_conn_err(pool: &PgPool, e: sqlx::Error) -> StoreError {
     match e {
-        sqlx::Error::PoolTimedOut => StoreError::Busy,
+        sqlx::Error::PoolTimedOut if pool.size() >= pool.options().get_max_connections() => {
+            StoreError::Busy
+        }
         e => StoreError::Unavailable(format!("cannot reach the database: {e}")),
     }
 }
@@ -112,14 +117,20 @@ impl PgStore {
             })?;
         schema::migrate(&pool).await?;
         let notifier = notify::Notifier::new();
-        notifier.spawn_listener(pool.clone(), listener.clone());
-        let writer = Writer::new(pool.clone(), listener, notifier);
+        notifier.spawn_listener(url.to_owned(), pool.clone(), listener.clone());
+        let writer = Writer::new(
+            pool.clone(),
+            listener,
+            notifier,
+            settings.timeout.saturating_mul(3),
+        );
         tracing::info!(database = %place, "using PostgreSQL");
         Ok(Self { pool, writer })
     }
 
     async fn conn(&self) -> Result<PoolConnection<Postgres>> {
-        self.pool.acquire().await.map_err(map_conn_err)
+        let pool = &self.pool;
+        pool.acquire().await.map_err(|e| map_conn_err(pool, e))
     }
 }
 

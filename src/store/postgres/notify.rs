@@ -57,7 +57,9 @@ impl Notifier {
         let mut size = 0;
         for e in effects {
             if let Effect::LeaseEnded(resource) = e {
-                if size + resource.len() > MAX_PAYLOAD && !msg.ended.is_empty() {
+                // As JSON, where quotes and backslashes take two bytes.
+                let len = serde_json::to_string(resource).map_or(resource.len() * 6, |j| j.len());
+                if size + len > MAX_PAYLOAD && !msg.ended.is_empty() {
                     let full = std::mem::take(&mut msg.ended);
                     out.extend(encode(&Message {
                         ended: full,
@@ -65,7 +67,7 @@ impl Notifier {
                     }));
                     size = 0;
                 }
-                size += resource.len() + 8;
+                size += len + 1;
                 msg.ended.push(resource.clone());
             }
         }
@@ -96,14 +98,16 @@ impl Notifier {
         })
     }
 
-    /// Listen for other hosts' commits until the pool closes. After every
-    /// (re)connection, notifications may have been missed: the listener is
-    /// told the newest seq and to wake every waiter, who then re-check.
-    pub fn spawn_listener(&self, pool: PgPool, listener: Arc<dyn CommitListener>) {
+    /// Listen for other hosts' commits until the pool closes, on a
+    /// connection of its own (`url`), so that it never takes one of the
+    /// pool's. After every (re)connection, notifications may have been
+    /// missed: the listener is told the newest seq and to wake every
+    /// waiter, who then re-check.
+    pub fn spawn_listener(&self, url: String, pool: PgPool, listener: Arc<dyn CommitListener>) {
         let me = self.instance.clone();
         tokio::spawn(async move {
             while !pool.is_closed() {
-                if let Err(e) = listen(&pool, &me, listener.as_ref()).await {
+                if let Err(e) = listen(&url, &pool, &me, listener.as_ref()).await {
                     if pool.is_closed() {
                         return;
                     }
@@ -128,18 +132,36 @@ fn encode(m: &Message) -> Option<String> {
 }
 
 async fn resync(pool: &PgPool, listener: &dyn CommitListener) -> Result<()> {
-    let mut c = pool.acquire().await.map_err(super::map_conn_err)?;
+    let mut c = pool
+        .acquire()
+        .await
+        .map_err(|e| super::map_conn_err(pool, e))?;
     let seq = super::rows::last_event_seq(&mut c).await?;
     listener.committed(&[Effect::Event(seq), Effect::Missed]);
     Ok(())
 }
 
-async fn listen(pool: &PgPool, me: &str, listener: &dyn CommitListener) -> Result<()> {
-    let mut l = PgListener::connect_with(pool).await.map_err(map_err)?;
+/// How often an idle listening connection is checked: a half-open socket
+/// (after a partition) never fails on its own.
+const PING_EVERY: Duration = Duration::from_secs(10);
+
+async fn listen(url: &str, pool: &PgPool, me: &str, listener: &dyn CommitListener) -> Result<()> {
+    let mut l = PgListener::connect(url).await.map_err(map_err)?;
     l.listen(CHANNEL).await.map_err(map_err)?;
     resync(pool, listener).await?;
     loop {
-        match l.try_recv().await.map_err(map_err)? {
+        let received = match tokio::time::timeout(PING_EVERY, l.try_recv()).await {
+            Ok(r) => r.map_err(map_err)?,
+            Err(_) => {
+                let ping = sqlx::query("SELECT 1").execute(&mut l);
+                match tokio::time::timeout(PING_EVERY, ping).await {
+                    Ok(Ok(_)) => continue,
+                    // Listen afresh, then resync.
+                    _ => return Ok(()),
+                }
+            }
+        };
+        match received {
             Some(n) => {
                 let Ok(msg) = serde_json::from_str::<Message>(n.payload()) else {
                     tracing::warn!(payload = n.payload(), "ignoring an unreadable notification");

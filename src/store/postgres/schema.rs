@@ -22,6 +22,11 @@ pub const MIGRATIONS: &[(i64, &str)] = &[
 /// Refuses a schema newer than this build knows.
 pub async fn migrate(pool: &PgPool) -> Result<()> {
     let mut tx = pool.begin().await.map_err(map_err)?;
+    // Wait as long as another host's migration takes, not `lock_timeout`.
+    sqlx::query("SET LOCAL lock_timeout = 0")
+        .execute(&mut *tx)
+        .await
+        .map_err(map_err)?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('holdfast.migrate'))")
         .execute(&mut *tx)
         .await

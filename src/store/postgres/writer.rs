@@ -38,6 +38,7 @@ pub struct Writer {
     lead: Arc<tokio::sync::Mutex<()>>,
     listener: Arc<dyn CommitListener>,
     notify: super::notify::Notifier,
+    batch_limit: std::time::Duration,
 }
 
 // Boxed, as every future of sqlx calls that a spawned task awaits: rustc
@@ -60,6 +61,7 @@ impl Writer {
         pool: PgPool,
         listener: Arc<dyn CommitListener>,
         notify: super::notify::Notifier,
+        batch_limit: std::time::Duration,
     ) -> Arc<Self> {
         Arc::new(Self {
             pool,
@@ -67,6 +69,7 @@ impl Writer {
             lead: Arc::default(),
             listener,
             notify,
+            batch_limit,
         })
     }
 
@@ -89,7 +92,17 @@ impl Writer {
                 if batch.is_empty() {
                     return;
                 }
-                me.run_batch(batch).await;
+                // A connection that hangs (a half-open socket after a
+                // partition) must not hold every later write of this host:
+                // past the limit the batch is dropped, its connection closed,
+                // and its jobs answered `unavailable`.
+                if tokio::time::timeout(me.batch_limit, me.run_batch(batch))
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(limit = ?me.batch_limit, "a write batch did not finish in time; dropped");
+                    me.listener.committed(&[Effect::Missed]);
+                }
             }
         });
         rx.await
@@ -105,7 +118,10 @@ impl Writer {
     async fn run_batch(&self, batch: Vec<Job>) {
         let mut conn = match self.pool.acquire().await {
             Ok(c) => c,
-            Err(e) => return fail(batch.into_iter().map(|j| j.reply), &map_conn_err(e)),
+            Err(e) => {
+                let e = map_conn_err(&self.pool, e);
+                return fail(batch.into_iter().map(|j| j.reply), &e);
+            }
         };
         // One round trip: a simple query may hold several statements.
         if let Err(e) = exec(&mut conn, "BEGIN; SELECT seq FROM event_seq FOR UPDATE").await {
@@ -153,6 +169,9 @@ impl Writer {
         if let Err(e) = committed {
             let _ = exec(&mut conn, "ROLLBACK").await;
             conn.close_on_drop();
+            // A COMMIT whose answer was lost may have committed: waiters
+            // here look again (this host ignores its own notifications).
+            self.listener.committed(&[Effect::Missed]);
             return fail(done.into_iter().map(|(r, _)| r), &e);
         }
         if !effects.is_empty() {
