@@ -76,11 +76,11 @@ pub async fn lease(c: &mut PgConnection, id: &str) -> Result<Option<LeaseRecord>
     Ok(leases(rows)?.pop())
 }
 
-/// The current lease of `resource`, row-locked for the rest of the transaction.
+/// The current lease of `resource`. No row lock: the transaction already
+/// holds the fleet's write lock (see `writer`), and `FOR UPDATE` would cost
+/// a write to the row.
 pub async fn current_lease(c: &mut PgConnection, resource: &str) -> Result<Option<LeaseRecord>> {
-    let sql = format!(
-        "SELECT {LEASE_COLS} FROM leases WHERE resource = $1 AND {LEASE_CURRENT} FOR UPDATE"
-    );
+    let sql = format!("SELECT {LEASE_COLS} FROM leases WHERE resource = $1 AND {LEASE_CURRENT}");
     let rows = sqlx::query(&sql)
         .bind(resource)
         .fetch_all(c)
