@@ -307,3 +307,58 @@ async fn events_pruned_by_one_host_are_410_on_the_other_not_a_silent_gap() {
     })
     .await
 }
+
+#[tokio::test]
+async fn wake_ups_across_hosts_survive_dropped_database_connections() {
+    run(Store::Postgres, async {
+        let (a, b, dirs) = two_hosts(&["--reconcile-interval-ms", "3600000"]).await;
+        let held = a.acquire_ok("fleet/reconnect", "a").await;
+
+        // Every connection of both servers to their database is cut.
+        let url = crate::stores::database_for(dirs[0].path()).await;
+        let name = url.rsplit('/').next().expect("name").to_owned();
+        let base = crate::stores::postgres_base().expect("on");
+        let mut admin = {
+            use sqlx::Connection;
+            sqlx::PgConnection::connect(&format!("{base}/postgres"))
+                .await
+                .expect("connect")
+        };
+        sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1")
+            .bind(&name)
+            .execute(&mut admin)
+            .await
+            .expect("terminate");
+
+        let waiter = {
+            let (client, url) = (b.client.clone(), b.url("/v1/leases"));
+            tokio::spawn(async move {
+                client
+                    .post(url)
+                    .json(&json!({"resource": "fleet/reconnect", "holder": "b", "ttl_ms": 60_000, "wait_ms": 20_000}))
+                    .send()
+                    .await
+                    .expect("acquire")
+                    .status()
+            })
+        };
+        b.eventually("/metrics", Duration::from_secs(10), |m| {
+            m.as_str()
+                .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
+        })
+        .await;
+        let started = Instant::now();
+        // The first request on a cut connection may fail; the server reconnects.
+        let mut released = false;
+        while !released && started.elapsed() < Duration::from_secs(10) {
+            let r = a
+                .lease_op(&id(&held), "release", json!({"token": held["token"]}))
+                .await;
+            released = r.status == StatusCode::OK;
+        }
+        assert!(released, "release went through after the connections came back");
+        assert_eq!(waiter.await.expect("waiter"), StatusCode::CREATED);
+        assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    })
+    .await
+}
