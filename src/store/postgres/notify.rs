@@ -16,7 +16,7 @@ const CHANNEL: &str = "holdfast";
 /// NOTIFY payloads must stay under 8000 bytes.
 const MAX_PAYLOAD: usize = 7000;
 
-#[derive(Serialize, Deserialize, Default)]
+#[derive(Serialize, Deserialize)]
 struct Message {
     /// The sending server instance, which ignores its own messages.
     from: String,
@@ -40,6 +40,8 @@ impl Notifier {
         }
     }
 
+    /// One message per chunk of ended resources, each under the payload
+    /// limit and each with the commit's newest seq.
     fn payloads(&self, effects: &[Effect]) -> Vec<String> {
         let seq = effects
             .iter()
@@ -48,33 +50,31 @@ impl Notifier {
                 _ => None,
             })
             .max();
-        let mut out = Vec::new();
-        let mut msg = Message {
-            from: self.instance.clone(),
-            seq,
-            ended: Vec::new(),
-        };
+        let mut chunks: Vec<Vec<String>> = vec![Vec::new()];
         let mut size = 0;
         for e in effects {
-            if let Effect::LeaseEnded(resource) = e {
-                // As JSON, where quotes and backslashes take two bytes.
-                let len = serde_json::to_string(resource).map_or(resource.len() * 6, |j| j.len());
-                if size + len > MAX_PAYLOAD && !msg.ended.is_empty() {
-                    let full = std::mem::take(&mut msg.ended);
-                    out.extend(encode(&Message {
-                        ended: full,
-                        ..msg_head(&msg)
-                    }));
-                    size = 0;
-                }
-                size += len + 1;
-                msg.ended.push(resource.clone());
+            let Effect::LeaseEnded(resource) = e else {
+                continue;
+            };
+            // As JSON, where quotes and backslashes take two bytes.
+            let len = serde_json::to_string(resource).map_or(resource.len() * 6, |j| j.len());
+            if size + len > MAX_PAYLOAD && chunks.last().is_some_and(|c| !c.is_empty()) {
+                chunks.push(Vec::new());
+                size = 0;
+            }
+            size += len + 1;
+            if let Some(chunk) = chunks.last_mut() {
+                chunk.push(resource.clone());
             }
         }
-        if msg.seq.is_some() || !msg.ended.is_empty() {
-            out.extend(encode(&msg));
-        }
-        out
+        chunks
+            .into_iter()
+            .filter(|ended| seq.is_some() || !ended.is_empty())
+            .filter_map(|ended| {
+                let from = self.instance.clone();
+                serde_json::to_string(&Message { from, seq, ended }).ok()
+            })
+            .collect()
     }
 
     /// Queue the notifications for `effects` in the open transaction.
@@ -117,18 +117,6 @@ impl Notifier {
             }
         });
     }
-}
-
-fn msg_head(m: &Message) -> Message {
-    Message {
-        from: m.from.clone(),
-        seq: m.seq,
-        ended: Vec::new(),
-    }
-}
-
-fn encode(m: &Message) -> Option<String> {
-    serde_json::to_string(m).ok()
 }
 
 async fn resync(pool: &PgPool, listener: &dyn CommitListener) -> Result<()> {

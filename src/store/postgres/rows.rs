@@ -6,7 +6,7 @@ use sqlx::{PgConnection, Row};
 
 use super::map_err;
 use crate::model::{EventRow, LeaseFilter, LeaseRecord, LeaseState, ParentRef};
-use crate::store::sql::{LEASE_COLS, LEASE_CURRENT, push_filters, select_by_state};
+use crate::store::sql::{self, LEASE_COLS, LEASE_CURRENT};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
 
@@ -182,20 +182,7 @@ pub async fn set_meta(c: &mut PgConnection, key: &str, value: &str) -> Result<()
 }
 
 pub async fn list_leases(c: &mut PgConnection, f: &LeaseFilter) -> Result<Vec<LeaseRecord>> {
-    let mut sql = select_by_state(LEASE_COLS, "leases", LEASE_CURRENT, f.state);
-    let args = push_filters(
-        '$',
-        &mut sql,
-        &[
-            (&f.resource, "resource = ?N"),
-            // left(), not LIKE: the prefix matches literally, `%` and `_` included.
-            (&f.prefix, "left(resource, length(?N)) = ?N"),
-            (&f.holder, "holder = ?N"),
-            (&f.parent, "parent_id = ?N"),
-            (&f.before_id, "id < ?N"),
-        ],
-    );
-    sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
+    let (sql, args) = sql::list_leases('$', f);
     let mut q = sqlx::query(&sql);
     for a in args {
         q = q.bind(a);

@@ -5,7 +5,7 @@ use rusqlite::{Connection, OptionalExtension, Row, params};
 
 use super::map_err;
 use crate::model::{EventRow, LeaseFilter, LeaseRecord, LeaseState, ParentRef};
-use crate::store::sql::{LEASE_COLS, LEASE_CURRENT, push_filters, select_by_state};
+use crate::store::sql::{self, LEASE_COLS, LEASE_CURRENT};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
 
@@ -186,20 +186,7 @@ pub fn extend_current_ttls(conn: &Connection, now: Millis) -> Result<usize> {
 }
 
 pub fn list_leases(conn: &Connection, f: &LeaseFilter) -> Result<Vec<LeaseRecord>> {
-    let mut sql = select_by_state(LEASE_COLS, "leases", LEASE_CURRENT, f.state);
-    let args = push_filters(
-        '?',
-        &mut sql,
-        &[
-            (&f.resource, "resource = ?N"),
-            // substr, not LIKE: the prefix matches literally, `%` and `_` included.
-            (&f.prefix, "substr(resource, 1, length(?N)) = ?N"),
-            (&f.holder, "holder = ?N"),
-            (&f.parent, "parent_id = ?N"),
-            (&f.before_id, "id < ?N"),
-        ],
-    );
-    sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
+    let (sql, args) = sql::list_leases('?', f);
     leases(conn, &sql, rusqlite::params_from_iter(args))
 }
 

@@ -6,7 +6,7 @@ use super::map_err;
 use crate::model::{
     Exit, Logs, PortOwner, PortRecord, ProcessFilter, ProcessRecord, ProcessState, TokenRef,
 };
-use crate::store::sql::{PORT_COLS, PROCESS_COLS, PROCESS_CURRENT, push_filters, select_by_state};
+use crate::store::sql::{self, PORT_COLS, PROCESS_COLS, PROCESS_CURRENT};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
 
@@ -191,18 +191,7 @@ pub fn update_process(conn: &Connection, p: &ProcessRecord) -> Result<()> {
 }
 
 pub fn list_processes(conn: &Connection, f: &ProcessFilter) -> Result<Vec<ProcessRecord>> {
-    let mut sql = select_by_state(PROCESS_COLS, "processes", PROCESS_CURRENT, f.state);
-    let args = push_filters(
-        '?',
-        &mut sql,
-        &[
-            (&f.kind, "kind = ?N"),
-            (&f.operation_id, "operation_id = ?N"),
-            (&f.lease, "lease_id = ?N"),
-            (&f.before_id, "id < ?N"),
-        ],
-    );
-    sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
+    let (sql, args) = sql::list_processes('?', f);
     processes(conn, &sql, rusqlite::params_from_iter(args))
 }
 
