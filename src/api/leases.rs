@@ -24,11 +24,11 @@ use crate::model::{LeaseFilter, LeaseView, StateFilter};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(acquire, list))
+        .routes(routes!(acquire_lease, list_leases))
         .routes(routes!(get_lease))
-        .routes(routes!(renew))
-        .routes(routes!(activate))
-        .routes(routes!(release))
+        .routes(routes!(renew_lease))
+        .routes(routes!(activate_lease))
+        .routes(routes!(release_lease))
         .routes(routes!(break_lease))
 }
 
@@ -152,7 +152,7 @@ fn view(state: &AppState, rec: crate::model::LeaseRecord) -> LeaseView {
         (status = 503, description = "`busy` or `unavailable`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn acquire(
+async fn acquire_lease(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Body(req): Body<AcquireRequest>,
@@ -228,7 +228,6 @@ async fn get_lease(
 
 /// List leases, newest first.
 #[utoipa::path(
-    operation_id = "list_leases",
     get, path = "/v1/leases", tag = "leases",
     params(ListQuery),
     responses(
@@ -236,7 +235,7 @@ async fn get_lease(
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn list(
+async fn list_leases(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<LeaseList>, ApiError> {
@@ -268,7 +267,7 @@ async fn list(
         (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn renew(
+async fn renew_lease(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Body(req): Body<RenewRequest>,
@@ -293,7 +292,7 @@ async fn renew(
         (status = 422, description = "`validation` or `process_not_found`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn activate(
+async fn activate_lease(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
@@ -310,7 +309,6 @@ async fn activate(
 
 /// Release a lease. Releasing it again with the same token answers 200 again.
 #[utoipa::path(
-    operation_id = "release_lease",
     post, path = "/v1/leases/{id}/release", tag = "leases",
     params(("id" = String, Path, description = "Lease id")),
     request_body = ReleaseRequest,
@@ -321,7 +319,7 @@ async fn activate(
         (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn release(
+async fn release_lease(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Body(req): Body<ReleaseRequest>,

@@ -20,8 +20,8 @@ use crate::model::{PortOwner, PortRecord, TokenRef};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(reserve, list))
-        .routes(routes!(release))
+        .routes(routes!(reserve_ports, list_ports))
+        .routes(routes!(release_port))
 }
 
 /// Exactly one of `process` or `lease`, with its current token.
@@ -78,13 +78,13 @@ pub struct PortList {
     post, path = "/v1/ports", tag = "ports",
     request_body = ReserveRequest,
     responses(
-        (status = 201, body = Reserved),
+        (status = 201, description = "Reserved: the ports by name and their reservations", body = Reserved),
         (status = 404, description = "No such owner", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced` or `ports_exhausted`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn reserve(
+async fn reserve_ports(
     State(state): State<AppState>,
     Body(req): Body<ReserveRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
@@ -156,12 +156,11 @@ async fn reserve(
 
 /// Current reservations, lowest port first.
 #[utoipa::path(
-    operation_id = "list_ports",
     get, path = "/v1/ports", tag = "ports",
     params(ListQuery),
-    responses((status = 200, body = PortList))
+    responses((status = 200, description = "A page of current reservations", body = PortList))
 )]
-async fn list(
+async fn list_ports(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<PortList>, ApiError> {
@@ -181,17 +180,16 @@ async fn list(
 
 /// Release a reservation with its owner's token.
 #[utoipa::path(
-    operation_id = "release_port",
     post, path = "/v1/ports/{port}/release", tag = "ports",
     params(("port" = u16, Path, description = "The reserved port")),
     request_body = ReleaseRequest,
     responses(
-        (status = 200, body = PortRecord),
+        (status = 200, description = "Released: the reservation, ended", body = PortRecord),
         (status = 404, description = "No current reservation of that port", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn release(
+async fn release_port(
     State(state): State<AppState>,
     Path(port): Path<String>,
     Body(req): Body<ReleaseRequest>,

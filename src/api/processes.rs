@@ -1,5 +1,6 @@
 //! `/v1/processes`: parse, validate, call `Processes`, map the result.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::Json;
@@ -25,13 +26,13 @@ use crate::processes::{CreateRequest, DEFAULT_GRACE};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(create, list))
+        .routes(routes!(create_process, list_processes))
         .routes(routes!(get_process))
-        .routes(routes!(confirm))
-        .routes(routes!(heartbeat))
-        .routes(routes!(stop))
-        .routes(routes!(finish))
-        .routes(routes!(logs))
+        .routes(routes!(confirm_process))
+        .routes(routes!(heartbeat_process))
+        .routes(routes!(stop_process))
+        .routes(routes!(finish_process))
+        .routes(routes!(get_process_logs))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -49,11 +50,34 @@ pub struct CreateProcessRequest {
     #[schema(minimum = 1000, maximum = 86_400_000)]
     pub ttl_ms: Option<i64>,
     /// Spawn this command; without it the record is registered as `starting`.
-    pub command: Option<Command>,
+    pub command: Option<CommandSpec>,
     /// Port names to reserve; a spawned child gets `PORT_<NAME>` (and `PORT` for the first).
     pub ports: Option<Vec<String>>,
     #[schema(value_type = Option<Object>)]
     pub metadata: Option<Map<String, Value>>,
+}
+
+/// What to spawn.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CommandSpec {
+    /// Program and arguments; no shell is involved.
+    #[schema(example = json!(["npm", "run", "dev"]))]
+    pub argv: Vec<String>,
+    /// Working directory; the server's own when absent.
+    pub cwd: Option<String>,
+    /// Added to the server's environment (without its `HOLDFAST_*` variables).
+    pub env: Option<BTreeMap<String, String>>,
+}
+
+impl From<CommandSpec> for Command {
+    fn from(c: CommandSpec) -> Self {
+        Command {
+            argv: c.argv,
+            cwd: c.cwd,
+            env: c.env.unwrap_or_default(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -170,7 +194,7 @@ fn process_id(id: &str) -> Result<String, ApiError> {
         (status = 503, description = "`busy` or `unavailable`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn create(
+async fn create_process(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Body(req): Body<CreateProcessRequest>,
@@ -187,7 +211,8 @@ async fn create(
         validate::id("lease", &l.id)
             .map_err(|_| ApiError::validation("lease.id", "lease.id must be a lease id (UUID)"))?;
     }
-    if let Some(cmd) = &req.command {
+    let command = req.command.map(Command::from);
+    if let Some(cmd) = &command {
         validate::command(cmd)?;
     }
     let ports = req.ports.unwrap_or_default();
@@ -217,7 +242,7 @@ async fn create(
         owner,
         ttl_ms: req.ttl_ms,
         metadata,
-        command: req.command,
+        command,
         ports,
     };
     let view = state
@@ -237,7 +262,7 @@ async fn create(
     get, path = "/v1/processes/{id}", tag = "processes",
     params(("id" = String, Path, description = "Process id")),
     responses(
-        (status = 200, body = ProcessView),
+        (status = 200, description = "The process, its identity judged now", body = ProcessView),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -253,15 +278,14 @@ async fn get_process(
 
 /// List processes, newest first.
 #[utoipa::path(
-    operation_id = "list_processes",
     get, path = "/v1/processes", tag = "processes",
     params(ListQuery),
     responses(
-        (status = 200, body = ProcessList),
+        (status = 200, description = "A page of processes", body = ProcessList),
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn list(
+async fn list_processes(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<ProcessList>, ApiError> {
@@ -289,14 +313,14 @@ async fn list(
     params(("id" = String, Path, description = "Process id")),
     request_body = ConfirmRequest,
     responses(
-        (status = 200, body = ProcessView),
+        (status = 200, description = "Confirmed: `running`, with the identity read now", body = ProcessView),
         (status = 403, description = "pid 1, the server itself, its group or session", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "`process_not_found` or `validation`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn confirm(
+async fn confirm_process(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
@@ -322,12 +346,12 @@ async fn confirm(
     params(("id" = String, Path, description = "Process id")),
     request_body = HeartbeatRequest,
     responses(
-        (status = 200, body = ProcessView),
+        (status = 200, description = "Heartbeat recorded: a new `expires_at`", body = ProcessView),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn heartbeat(
+async fn heartbeat_process(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Body(req): Body<HeartbeatRequest>,
@@ -354,7 +378,7 @@ async fn heartbeat(
         (status = 409, description = "`fenced`, `identity_mismatch`, `remote_process`, `process_tree_not_settled`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn stop(
+async fn stop_process(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
@@ -386,12 +410,12 @@ async fn stop(
     params(("id" = String, Path, description = "Process id")),
     request_body = FinishRequest,
     responses(
-        (status = 200, body = ProcessView),
+        (status = 200, description = "Finished: the process ended as reported (or as it is, when it already had)", body = ProcessView),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced` or `process_alive`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn finish(
+async fn finish_process(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Body(req): Body<FinishRequest>,
@@ -424,7 +448,7 @@ async fn finish(
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn logs(
+async fn get_process_logs(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Params(q): Params<LogsQuery>,
