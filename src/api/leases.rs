@@ -59,7 +59,7 @@ pub struct AcquireRequest {
     /// Wait up to this long (0..=60000) for a held lease to end.
     #[schema(minimum = 0, maximum = 60000)]
     pub wait_ms: Option<i64>,
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<crate::model::Metadata>, nullable = false)]
     pub metadata: Option<Map<String, Value>>,
 }
 
@@ -69,6 +69,7 @@ pub struct AcquireResponse {
     #[serde(flatten)]
     pub lease: LeaseView,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub reclaimed: Option<Reclaimed>,
 }
 
@@ -210,7 +211,7 @@ async fn acquire_lease(
 /// Get one lease, current or ended.
 #[utoipa::path(
     get, path = "/v1/leases/{id}", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     responses(
         (status = 200, description = "The lease, its owner judged now", body = LeaseView),
         (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
@@ -258,7 +259,7 @@ async fn list_leases(
 /// Renew a lease: a new `expires_at` from now.
 #[utoipa::path(
     post, path = "/v1/leases/{id}/renew", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     request_body = RenewRequest,
     responses(
         (status = 200, description = "Renewed", body = LeaseView),
@@ -283,7 +284,7 @@ async fn renew_lease(
 /// Activate a reserved lease, binding it to its owner; the token stays.
 #[utoipa::path(
     post, path = "/v1/leases/{id}/activate", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     request_body = ActivateRequest,
     responses(
         (status = 200, description = "Active", body = LeaseView),
@@ -310,7 +311,7 @@ async fn activate_lease(
 /// Release a lease. Releasing it again with the same token answers 200 again.
 #[utoipa::path(
     post, path = "/v1/leases/{id}/release", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     request_body = ReleaseRequest,
     responses(
         (status = 200, description = "Released", body = LeaseView),
@@ -332,7 +333,7 @@ async fn release_lease(
 /// Break a current lease whatever its owner's status (admin only).
 #[utoipa::path(
     post, path = "/v1/leases/{id}/break", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     request_body = BreakRequest,
     responses(
         (status = 200, description = "Broken", body = LeaseView),

@@ -53,7 +53,7 @@ pub struct CreateProcessRequest {
     pub command: Option<CommandSpec>,
     /// Port names to reserve; a spawned child gets `PORT_<NAME>` (and `PORT` for the first).
     pub ports: Option<Vec<String>>,
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<crate::model::Metadata>, nullable = false)]
     pub metadata: Option<Map<String, Value>>,
 }
 
@@ -67,6 +67,7 @@ pub struct CommandSpec {
     /// Working directory; the server's own when absent.
     pub cwd: Option<String>,
     /// Added to the server's environment (without its `HOLDFAST_*` variables).
+    #[schema(nullable = false)]
     pub env: Option<BTreeMap<String, String>>,
 }
 
@@ -260,7 +261,7 @@ async fn create_process(
 /// Get one process, its identity judged now.
 #[utoipa::path(
     get, path = "/v1/processes/{id}", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     responses(
         (status = 200, description = "The process, its identity judged now", body = ProcessView),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
@@ -310,7 +311,7 @@ async fn list_processes(
 /// Confirm a registered process: `starting` becomes `running` with the identity read now.
 #[utoipa::path(
     post, path = "/v1/processes/{id}/confirm", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     request_body = ConfirmRequest,
     responses(
         (status = 200, description = "Confirmed: `running`, with the identity read now", body = ProcessView),
@@ -343,7 +344,7 @@ async fn confirm_process(
 /// Keep a process alive: a new `expires_at`.
 #[utoipa::path(
     post, path = "/v1/processes/{id}/heartbeat", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     request_body = HeartbeatRequest,
     responses(
         (status = 200, description = "Heartbeat recorded: a new `expires_at`", body = ProcessView),
@@ -369,7 +370,7 @@ async fn heartbeat_process(
 /// Stop a process and its group: SIGTERM, grace, SIGKILL when forced.
 #[utoipa::path(
     post, path = "/v1/processes/{id}/stop", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     request_body = StopRequest,
     responses(
         (status = 200, description = "Stopped (or already ended, as it is)", body = ProcessView),
@@ -407,7 +408,7 @@ async fn stop_process(
 /// Report how a process the client ran itself ended.
 #[utoipa::path(
     post, path = "/v1/processes/{id}/finish", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     request_body = FinishRequest,
     responses(
         (status = 200, description = "Finished: the process ended as reported (or as it is, when it already had)", body = ProcessView),
@@ -440,7 +441,7 @@ async fn finish_process(
 /// Raw output of a spawned process, from `offset`, with `X-Next-Offset`.
 #[utoipa::path(
     get, path = "/v1/processes/{id}/logs", tag = "processes",
-    params(("id" = String, Path, description = "Process id"), LogsQuery),
+    params(("id" = String, Path, format = "uuid", description = "Process id"), LogsQuery),
     responses(
         (status = 200, description = "Raw bytes", body = String, content_type = "text/plain",
          headers(("X-Next-Offset" = u64, description = "Offset to ask for next"))),
