@@ -68,6 +68,18 @@ pub struct Event {
     pub detail: Option<()>,
 }
 
+/// One Server-Sent Events message: `data` is an Event as JSON, or, with
+/// `event: error`, a problem (`events_pruned`, `unavailable`) that ends the stream.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)] // documents the stream, which axum's Sse writes
+pub struct SseMessage {
+    /// The event's `seq`.
+    pub id: Option<String>,
+    /// The event's `type`, or `error`.
+    pub event: String,
+    pub data: String,
+}
+
 #[derive(Debug, ToSchema)]
 #[allow(dead_code)] // documents the response, which is assembled from stored JSON
 pub struct EventList {
@@ -151,7 +163,7 @@ async fn list_events(
         ("Last-Event-ID" = Option<String>, Header, description = "Resume after this seq (the `id` of the last message read); overrides `after`"),
     ),
     responses(
-        (status = 200, description = "A Server-Sent Events stream of Event messages", body = String, content_type = "text/event-stream"),
+        (status = 200, description = "A Server-Sent Events stream of Event messages", body = SseMessage, content_type = "text/event-stream"),
         (status = 410, description = "`events_pruned`: `after` is older than what retention kept; body has `oldest_seq`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "`busy`: too many open streams and waiting requests", body = Problem, content_type = "application/problem+json"),

@@ -37,6 +37,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 #[serde(deny_unknown_fields)]
 pub struct ParentSpec {
     pub id: String,
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
 }
 
@@ -44,12 +45,13 @@ pub struct ParentSpec {
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     /// 1..=512 bytes of UTF-8 without control characters.
-    #[schema(example = "workspace/alpha")]
+    #[schema(example = "workspace/alpha", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1F\\x7F]*$")]
     pub resource: String,
-    #[schema(example = "supervisor-1")]
+    #[schema(example = "supervisor-1", min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$")]
     pub holder: String,
     /// 1000..=86400000; required unless `owner` is given.
     #[schema(minimum = 1000, maximum = 86_400_000, example = 30000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub ttl_ms: Option<i64>,
     pub owner: Option<OwnerSpec>,
     pub parent: Option<ParentSpec>,
@@ -58,6 +60,7 @@ pub struct AcquireRequest {
     pub reserve: bool,
     /// Wait up to this long (0..=60000) for a held lease to end.
     #[schema(minimum = 0, maximum = 60000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub wait_ms: Option<i64>,
     #[schema(value_type = Option<crate::model::Metadata>, nullable = false)]
     pub metadata: Option<Map<String, Value>>,
@@ -77,9 +80,11 @@ pub struct AcquireResponse {
 #[serde(deny_unknown_fields)]
 pub struct RenewRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     /// New TTL; defaults to the lease's current one.
     #[schema(minimum = 1000, maximum = 86_400_000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub ttl_ms: Option<i64>,
 }
 
@@ -87,6 +92,7 @@ pub struct RenewRequest {
 #[serde(deny_unknown_fields)]
 pub struct ActivateRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     /// The process the active lease is bound to; keeps the reserved one's owner when absent.
     pub owner: Option<OwnerSpec>,
@@ -96,6 +102,7 @@ pub struct ActivateRequest {
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
 }
 
@@ -103,6 +110,7 @@ pub struct ReleaseRequest {
 #[serde(deny_unknown_fields)]
 pub struct BreakRequest {
     /// Why the lease is broken; recorded as `broken:<reason>`.
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$")]
     pub reason: String,
 }
 
@@ -123,6 +131,7 @@ pub struct ListQuery {
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
     /// `next_cursor` of the previous page.
+    #[param(format = "uuid")]
     pub cursor: Option<String>,
 }
 

@@ -36,6 +36,7 @@ pub struct OwnerRef {
 #[serde(deny_unknown_fields)]
 pub struct ReserveRequest {
     /// Names matching `[a-z][a-z0-9_]{0,31}`.
+    #[schema(value_type = Vec<crate::model::PortName>, min_items = 1, max_items = 64)]
     pub names: Vec<String>,
     pub owner: OwnerRef,
     /// Inclusive `[low, high]` within 1024..=65535; default `[20000, 29999]`.
@@ -55,6 +56,7 @@ pub struct Reserved {
 pub struct ReleaseRequest {
     /// The owner's current token.
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
 }
 
@@ -64,6 +66,7 @@ pub struct ReleaseRequest {
 pub struct ListQuery {
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
+    #[param(pattern = "^[0-9]{1,5}$")]
     pub cursor: Option<String>,
 }
 

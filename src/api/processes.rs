@@ -38,9 +38,10 @@ pub fn router() -> OpenApiRouter<AppState> {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateProcessRequest {
-    #[schema(example = "dev-server")]
+    #[schema(example = "dev-server", min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$")]
     pub kind: String,
     /// At most one current process per operation id.
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$", nullable = false)]
     pub operation_id: Option<String>,
     /// The owning lease; it must be current.
     pub lease: Option<TokenRef>,
@@ -48,10 +49,12 @@ pub struct CreateProcessRequest {
     pub owner: Option<OwnerSpec>,
     /// Heartbeat TTL, 1000..=86400000.
     #[schema(minimum = 1000, maximum = 86_400_000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub ttl_ms: Option<i64>,
     /// Spawn this command; without it the record is registered as `starting`.
     pub command: Option<CommandSpec>,
     /// Port names to reserve; a spawned child gets `PORT_<NAME>` (and `PORT` for the first).
+    #[schema(value_type = Option<Vec<crate::model::PortName>>, nullable = false)]
     pub ports: Option<Vec<String>>,
     #[schema(value_type = Option<crate::model::Metadata>, nullable = false)]
     pub metadata: Option<Map<String, Value>>,
@@ -85,8 +88,10 @@ impl From<CommandSpec> for Command {
 #[serde(deny_unknown_fields)]
 pub struct ConfirmRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
-    #[schema(minimum = 1)]
+    #[schema(minimum = 1, maximum = 2_147_483_647)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub pid: i64,
     /// The process leads its own process group, which stop then signals.
     #[serde(default)]
@@ -97,8 +102,10 @@ pub struct ConfirmRequest {
 #[serde(deny_unknown_fields)]
 pub struct HeartbeatRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     #[schema(minimum = 1000, maximum = 86_400_000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub ttl_ms: Option<i64>,
 }
 
@@ -106,12 +113,15 @@ pub struct HeartbeatRequest {
 #[serde(deny_unknown_fields)]
 pub struct StopRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     /// How long to wait after SIGTERM (default 5000, at most 600000).
     #[schema(minimum = 0, maximum = 600_000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub grace_ms: Option<i64>,
     /// SIGKILL after the grace period (default true).
     pub force: Option<bool>,
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$", nullable = false)]
     pub reason: Option<String>,
 }
 
@@ -126,9 +136,12 @@ pub enum FinishState {
 #[serde(deny_unknown_fields)]
 pub struct FinishRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     pub state: FinishState,
+    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$", nullable = false)]
     pub reason: Option<String>,
+    #[serde(default, deserialize_with = "crate::model::int::opt_i32")]
     pub exit_code: Option<i32>,
 }
 
@@ -144,6 +157,7 @@ pub struct ListQuery {
     pub lease: Option<String>,
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
+    #[param(format = "uuid")]
     pub cursor: Option<String>,
 }
 

@@ -1,6 +1,7 @@
 //! Records as the API shows them and the store keeps them.
 
 mod event;
+pub mod int;
 mod port;
 mod process;
 mod shapes;

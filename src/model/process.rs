@@ -62,6 +62,7 @@ pub struct TokenRef {
     #[schema(format = "uuid")]
     pub id: String,
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
 }
 

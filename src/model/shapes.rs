@@ -56,3 +56,22 @@ impl ToSchema for PortMap {
         Cow::Borrowed("PortMap")
     }
 }
+
+/// A port's name: `[a-z][a-z0-9_]{0,31}`; a spawned child gets it as `PORT_<NAME>`.
+pub struct PortName;
+
+impl PartialSchema for PortName {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .pattern(Some("^[a-z][a-z0-9_]{0,31}$"))
+            .examples([serde_json::json!("http")])
+            .into()
+    }
+}
+
+impl ToSchema for PortName {
+    fn name() -> Cow<'static, str> {
+        Cow::Borrowed("PortName")
+    }
+}
