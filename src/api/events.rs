@@ -180,7 +180,8 @@ async fn stream_events(
 }
 
 fn open_stream(state: AppState, headers: &HeaderMap, mut after: i64) -> Result<Response, ApiError> {
-    if let Some(last) = headers.get("last-event-id") {
+    // An empty Last-Event-ID is none, as for a browser's EventSource.
+    if let Some(last) = headers.get("last-event-id").filter(|v| !v.is_empty()) {
         after = last
             .to_str()
             .ok()

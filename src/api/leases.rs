@@ -45,9 +45,19 @@ pub struct ParentSpec {
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     /// 1..=512 bytes of UTF-8 without control characters.
-    #[schema(example = "workspace/alpha", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1F\\x7F]*$")]
+    #[schema(
+        example = "workspace/alpha",
+        min_length = 1,
+        max_length = 512,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub resource: String,
-    #[schema(example = "supervisor-1", min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$")]
+    #[schema(
+        example = "supervisor-1",
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub holder: String,
     /// 1000..=86400000; required unless `owner` is given.
     #[schema(minimum = 1000, maximum = 86_400_000, example = 30000)]
@@ -62,7 +72,7 @@ pub struct AcquireRequest {
     #[schema(minimum = 0, maximum = 60000)]
     #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub wait_ms: Option<i64>,
-    #[schema(value_type = Option<crate::model::Metadata>, nullable = false)]
+    #[schema(value_type = Option<crate::model::Metadata>)]
     pub metadata: Option<Map<String, Value>>,
 }
 
@@ -110,7 +120,11 @@ pub struct ReleaseRequest {
 #[serde(deny_unknown_fields)]
 pub struct BreakRequest {
     /// Why the lease is broken; recorded as `broken:<reason>`.
-    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$")]
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub reason: String,
 }
 

@@ -25,11 +25,21 @@ pub fn router() -> OpenApiRouter<AppState> {
 }
 
 /// Exactly one of `process` or `lease`, with its current token.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OwnerRef {
     pub process: Option<TokenRef>,
     pub lease: Option<TokenRef>,
+}
+
+/// The owner of new reservations: exactly one of `process` or `lease`,
+/// with its current token.
+#[derive(Debug, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)] // documents `OwnerRef`, whose two members are checked by hand
+pub enum PortOwnerSpec {
+    Process { process: TokenRef },
+    Lease { lease: TokenRef },
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -38,8 +48,10 @@ pub struct ReserveRequest {
     /// Names matching `[a-z][a-z0-9_]{0,31}`.
     #[schema(value_type = Vec<crate::model::PortName>, min_items = 1, max_items = 64)]
     pub names: Vec<String>,
+    #[schema(value_type = PortOwnerSpec)]
     pub owner: OwnerRef,
-    /// Inclusive `[low, high]` within 1024..=65535; default `[20000, 29999]`.
+    /// Inclusive `[low, high]` within 1024..=65535, low first; default `[20000, 29999]`.
+    #[schema(value_type = Option<crate::model::PortRange>)]
     pub range: Option<[u16; 2]>,
 }
 
@@ -66,7 +78,9 @@ pub struct ReleaseRequest {
 pub struct ListQuery {
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
-    #[param(pattern = "^[0-9]{1,5}$")]
+    #[param(
+        pattern = "^(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})$"
+    )]
     pub cursor: Option<String>,
 }
 

@@ -38,10 +38,19 @@ pub fn router() -> OpenApiRouter<AppState> {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateProcessRequest {
-    #[schema(example = "dev-server", min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$")]
+    #[schema(
+        example = "dev-server",
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub kind: String,
     /// At most one current process per operation id.
-    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$", nullable = false)]
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub operation_id: Option<String>,
     /// The owning lease; it must be current.
     pub lease: Option<TokenRef>,
@@ -54,9 +63,9 @@ pub struct CreateProcessRequest {
     /// Spawn this command; without it the record is registered as `starting`.
     pub command: Option<CommandSpec>,
     /// Port names to reserve; a spawned child gets `PORT_<NAME>` (and `PORT` for the first).
-    #[schema(value_type = Option<Vec<crate::model::PortName>>, nullable = false)]
+    #[schema(value_type = Option<Vec<crate::model::PortName>>)]
     pub ports: Option<Vec<String>>,
-    #[schema(value_type = Option<crate::model::Metadata>, nullable = false)]
+    #[schema(value_type = Option<crate::model::Metadata>)]
     pub metadata: Option<Map<String, Value>>,
 }
 
@@ -70,7 +79,6 @@ pub struct CommandSpec {
     /// Working directory; the server's own when absent.
     pub cwd: Option<String>,
     /// Added to the server's environment (without its `HOLDFAST_*` variables).
-    #[schema(nullable = false)]
     pub env: Option<BTreeMap<String, String>>,
 }
 
@@ -121,7 +129,11 @@ pub struct StopRequest {
     pub grace_ms: Option<i64>,
     /// SIGKILL after the grace period (default true).
     pub force: Option<bool>,
-    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$", nullable = false)]
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub reason: Option<String>,
 }
 
@@ -139,7 +151,11 @@ pub struct FinishRequest {
     #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     pub state: FinishState,
-    #[schema(min_length = 1, max_length = 256, pattern = "^[^\\x00-\\x1F\\x7F]*$", nullable = false)]
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub reason: Option<String>,
     #[serde(default, deserialize_with = "crate::model::int::opt_i32")]
     pub exit_code: Option<i32>,

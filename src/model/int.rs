@@ -2,8 +2,8 @@
 //! integer, and so do the clients generated from the document: accept an
 //! integral number written with a fraction, refuse any other.
 
-use serde::de::{Deserializer, Error};
 use serde::Deserialize;
+use serde::de::{Deserializer, Error};
 use serde_json::Number;
 
 fn integral<E: Error>(n: &Number) -> Result<i64, E> {
@@ -11,7 +11,8 @@ fn integral<E: Error>(n: &Number) -> Result<i64, E> {
         return Ok(i);
     }
     match n.as_f64() {
-        Some(f) if f.fract() == 0.0 && f >= i64::MIN as f64 && f < i64::MAX as f64 => {
+        Some(f) if f.fract() == 0.0 && f >= i64::MIN as f64 && f < i64::MAX as f64 =>
+        {
             #[allow(clippy::cast_possible_truncation)]
             Ok(f as i64)
         }

@@ -75,3 +75,27 @@ impl ToSchema for PortName {
         Cow::Borrowed("PortName")
     }
 }
+
+/// An inclusive range of ports, `[low, high]`, within 1024..=65535.
+pub struct PortRange;
+
+impl PartialSchema for PortRange {
+    fn schema() -> RefOr<Schema> {
+        let port = ObjectBuilder::new()
+            .schema_type(Type::Integer)
+            .minimum(Some(1024))
+            .maximum(Some(65535));
+        utoipa::openapi::schema::ArrayBuilder::new()
+            .items(port)
+            .min_items(Some(2))
+            .max_items(Some(2))
+            .examples([serde_json::json!([20000, 29999])])
+            .into()
+    }
+}
+
+impl ToSchema for PortRange {
+    fn name() -> Cow<'static, str> {
+        Cow::Borrowed("PortRange")
+    }
+}

@@ -363,3 +363,31 @@ async fn more_than_1024_connections_are_served_at_once() {
     }
     assert_eq!(ok, 1100);
 }
+
+stores!(numbers_and_text_are_read_as_the_document_describes_them);
+async fn numbers_and_text_are_read_as_the_document_describes_them() {
+    let s = Server::start().await;
+    // JSON Schema counts 30000.0 as an integer, and so do generated clients.
+    let r = s
+        .acquire(json!({"resource": "num/a", "holder": "h", "ttl_ms": 30000.0}))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(r.body["ttl_ms"], 30000);
+    let id = r.body["id"].as_str().expect("id").to_owned();
+    let r = s.lease_op(&id, "renew", json!({"token": 1.5})).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::UNPROCESSABLE_ENTITY, "validation")
+    );
+    assert_eq!(r.body["field"], "token");
+    let r = s.lease_op(&id, "renew", json!({"token": 1.0})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    // C1 controls are control characters too (the document's pattern says so).
+    let r = s
+        .acquire(json!({"resource": "num/\u{9d}", "holder": "h", "ttl_ms": 30000}))
+        .await;
+    assert_eq!(
+        (r.status, r.body["field"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("resource"))
+    );
+}
