@@ -46,7 +46,7 @@ pub enum PortOwnerSpec {
 #[serde(deny_unknown_fields)]
 pub struct ReserveRequest {
     /// Names matching `[a-z][a-z0-9_]{0,31}`.
-    #[schema(value_type = Vec<crate::model::PortName>, min_items = 1, max_items = 64)]
+    #[schema(value_type = BTreeSet<crate::model::PortName>, min_items = 1, max_items = 64)]
     pub names: Vec<String>,
     #[schema(value_type = PortOwnerSpec)]
     pub owner: OwnerRef,

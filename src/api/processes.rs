@@ -63,7 +63,7 @@ pub struct CreateProcessRequest {
     /// Spawn this command; without it the record is registered as `starting`.
     pub command: Option<CommandSpec>,
     /// Port names to reserve; a spawned child gets `PORT_<NAME>` (and `PORT` for the first).
-    #[schema(value_type = Option<Vec<crate::model::PortName>>)]
+    #[schema(value_type = Option<BTreeSet<crate::model::PortName>>)]
     pub ports: Option<Vec<String>>,
     #[schema(value_type = Option<crate::model::Metadata>)]
     pub metadata: Option<Map<String, Value>>,
