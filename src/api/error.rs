@@ -3,7 +3,7 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
 
@@ -17,7 +17,7 @@ use crate::store::StoreError;
 /// `validation`, `holder` for `lease_held` / `owner_remote` /
 /// `owner_unverifiable`, `current` for `fenced` / `not_reserved`, `parent`
 /// for `parent_fenced`.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct Problem {
     #[serde(rename = "type")]
     #[schema(example = "about:blank")]

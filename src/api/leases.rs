@@ -33,14 +33,14 @@ pub fn router() -> OpenApiRouter<AppState> {
 }
 
 /// The parent lease a new lease is acquired under; it must be current.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ParentSpec {
     pub id: String,
     pub token: i64,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     /// 1..=512 bytes of UTF-8 without control characters.
@@ -64,7 +64,7 @@ pub struct AcquireRequest {
 }
 
 /// The acquired lease; `reclaimed` only when this acquire ended the previous one.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct AcquireResponse {
     #[serde(flatten)]
     pub lease: LeaseView,
@@ -72,7 +72,7 @@ pub struct AcquireResponse {
     pub reclaimed: Option<Reclaimed>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RenewRequest {
     #[schema(minimum = 1)]
@@ -82,7 +82,7 @@ pub struct RenewRequest {
     pub ttl_ms: Option<i64>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ActivateRequest {
     #[schema(minimum = 1)]
@@ -91,21 +91,21 @@ pub struct ActivateRequest {
     pub owner: Option<OwnerSpec>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     #[schema(minimum = 1)]
     pub token: i64,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BreakRequest {
     /// Why the lease is broken; recorded as `broken:<reason>`.
     pub reason: String,
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
+#[derive(Debug, Serialize, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
@@ -125,7 +125,7 @@ pub struct ListQuery {
     pub cursor: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct LeaseList {
     pub items: Vec<LeaseView>,
     /// Pass as `cursor` for the next page; null on the last page.

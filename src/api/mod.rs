@@ -3,13 +3,13 @@
 
 pub mod auth;
 pub mod error;
-mod events;
+pub mod events;
 pub mod extract;
-mod leases;
-mod owner;
+pub mod leases;
+pub mod owner;
 mod paging;
-mod ports;
-mod processes;
+pub mod ports;
+pub mod processes;
 mod service;
 mod strict;
 mod validate;

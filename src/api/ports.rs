@@ -25,14 +25,14 @@ pub fn router() -> OpenApiRouter<AppState> {
 }
 
 /// Exactly one of `process` or `lease`, with its current token.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OwnerRef {
     pub process: Option<TokenRef>,
     pub lease: Option<TokenRef>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReserveRequest {
     /// Names matching `[a-z][a-z0-9_]{0,31}`.
@@ -42,7 +42,7 @@ pub struct ReserveRequest {
     pub range: Option<[u16; 2]>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct Reserved {
     /// Port by name.
     #[schema(value_type = Object)]
@@ -50,7 +50,7 @@ pub struct Reserved {
     pub reservations: Vec<PortRecord>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     /// The owner's current token.
@@ -58,7 +58,7 @@ pub struct ReleaseRequest {
     pub token: i64,
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
+#[derive(Debug, Serialize, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
@@ -67,7 +67,7 @@ pub struct ListQuery {
     pub cursor: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct PortList {
     pub items: Vec<PortRecord>,
     pub next_cursor: Option<String>,
