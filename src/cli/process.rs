@@ -147,7 +147,9 @@ pub fn table(procs: &[ProcessView]) -> Table {
         let state = match (&p.end_reason, p.exit.code, p.exit.signal) {
             (_, Some(code), _) => format!("{} (exit {code})", p.state.as_str()),
             (_, None, Some(sig)) => format!("{} (signal {sig})", p.state.as_str()),
-            (Some(reason), _, _) => format!("{} ({reason})", p.state.as_str()),
+            (Some(reason), _, _) if reason != p.state.as_str() => {
+                format!("{} ({reason})", p.state.as_str())
+            }
             _ => p.state.as_str().to_owned(),
         };
         let ports: Vec<String> = p
