@@ -236,7 +236,7 @@ fn held_detail(e: &CliError, waited: Option<Duration>) -> String {
 
 fn humanize(d: Duration) -> String {
     let ms = d.as_millis();
-    if ms % 1000 == 0 {
+    if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         format!("{ms}ms")

@@ -39,6 +39,11 @@ fn holdfast(args: &[&str]) -> Command {
     cmd
 }
 
+/// `holdfast` with the words of `line` against `s`.
+fn hf(s: &Server, line: &str) -> Command {
+    at(s, &line.split_whitespace().collect::<Vec<_>>())
+}
+
 /// `holdfast ARGS` against `s` (through HOLDFAST_URL).
 fn at(s: &Server, args: &[&str]) -> Command {
     let mut cmd = holdfast(args);
@@ -150,36 +155,13 @@ async fn lease_of(s: &Server, resource: &str) -> Value {
     r.body["items"][0].clone()
 }
 
-/// `sh -c SCRIPT` run in `dir`.
-fn sh(dir: &Path, script: &str) -> Vec<String> {
-    vec![
-        "sh".into(),
-        "-c".into(),
-        format!("cd '{}' && {script}", dir.display()),
-    ]
-}
-
-fn run_args<'a>(extra: &[&'a str], command: &'a [String]) -> Vec<&'a str> {
-    let mut v = vec!["run"];
-    v.extend_from_slice(extra);
-    v.push("--");
-    v.extend(command.iter().map(String::as_str));
-    v
-}
-
 // ---- leases -------------------------------------------------------------
 
 #[tokio::test]
 async fn cli_lease_verbs_print_tables_and_the_api_json() {
     let s = Server::start().await;
 
-    let people = ok(at(
-        &s,
-        &[
-            "lease", "acquire", "work/a", "--holder", "me", "--ttl", "30s",
-        ],
-    ))
-    .await;
+    let people = ok(hf(&s, "lease acquire work/a --holder me --ttl 30s")).await;
     let header = people.stdout.lines().next().expect("a header");
     for col in [
         "ID", "RESOURCE", "TOKEN", "STATE", "HOLDER", "OWNER", "EXPIRES",
@@ -200,18 +182,9 @@ async fn cli_lease_verbs_print_tables_and_the_api_json() {
     assert!(row.starts_with(&id(&a)), "{row}");
 
     // --json before or after the verb: what the API answered.
-    let renewed = ok(at(
+    let renewed = ok(hf(
         &s,
-        &[
-            "--json",
-            "lease",
-            "renew",
-            &id(&a),
-            "--token",
-            "1",
-            "--ttl",
-            "1m",
-        ],
+        &format!("--json lease renew {} --token 1 --ttl 1m", id(&a)),
     ))
     .await
     .json();
@@ -221,44 +194,30 @@ async fn cli_lease_verbs_print_tables_and_the_api_json() {
         s.lease(&id(&a)).await,
         "the record as the server has it"
     );
-    let got = ok(at(&s, &["lease", "get", &id(&a), "--json"]))
+    let got = ok(hf(&s, &format!("lease get {} --json", id(&a))))
         .await
         .json();
     assert_eq!(got, s.lease(&id(&a)).await);
-    let people = ok(at(&s, &["lease", "get", &id(&a)])).await;
+    let people = ok(hf(&s, &format!("lease get {}", id(&a)))).await;
     assert!(people.stdout.contains("work/a"), "{}", people.stdout);
-    let people = ok(at(&s, &["lease", "renew", &id(&a), "--token", "1"])).await;
+    let people = ok(hf(&s, &format!("lease renew {} --token 1", id(&a)))).await;
     assert!(people.stdout.contains("active"), "{}", people.stdout);
 
     // A reserved lease, then activated for a process.
-    let r = ok(at(
+    let r = ok(hf(
         &s,
-        &[
-            "lease",
-            "acquire",
-            "work/b",
-            "--holder",
-            "sup",
-            "--ttl",
-            "30s",
-            "--reserve",
-            "--json",
-        ],
+        "lease acquire work/b --holder sup --ttl 30s --reserve --json",
     ))
     .await
     .json();
     assert_eq!(r["state"], "reserved");
-    let people = ok(at(
+    let people = ok(hf(
         &s,
-        &[
-            "lease",
-            "activate",
-            &id(&r),
-            "--token",
-            "1",
-            "--owner-pid",
-            &std::process::id().to_string(),
-        ],
+        &format!(
+            "lease activate {} --token 1 --owner-pid {}",
+            id(&r),
+            std::process::id()
+        ),
     ))
     .await;
     assert!(people.stdout.contains("active"), "{}", people.stdout);
@@ -269,14 +228,9 @@ async fn cli_lease_verbs_print_tables_and_the_api_json() {
         "{}",
         people.stdout
     );
-    let r2 = ok(at(
-        &s,
-        &[
-            "lease", "acquire", "work/c", "--holder", "h", "--ttl", "30s", "--json",
-        ],
-    ))
-    .await
-    .json();
+    let r2 = ok(hf(&s, "lease acquire work/c --holder h --ttl 30s --json"))
+        .await
+        .json();
     let activated = ok(at(
         &s,
         &[
@@ -296,18 +250,13 @@ async fn cli_lease_verbs_print_tables_and_the_api_json() {
     .await
     .json();
     assert_eq!(activated["metadata"]["ticket"], 7);
-    let json = ok(at(
+    let json = ok(hf(
         &s,
-        &[
-            "lease",
-            "activate",
-            &id(&activated),
-            "--token",
-            "1",
-            "--owner-pid",
-            &std::process::id().to_string(),
-            "--json",
-        ],
+        &format!(
+            "lease activate {} --token 1 --owner-pid {} --json",
+            id(&activated),
+            std::process::id()
+        ),
     ))
     .await
     .json();
@@ -315,73 +264,54 @@ async fn cli_lease_verbs_print_tables_and_the_api_json() {
     assert_eq!(json["owner"]["pid"], std::process::id());
 
     // A child lease under a current parent.
-    let child = ok(at(
+    let child = ok(hf(
         &s,
-        &[
-            "lease",
-            "acquire",
-            "work/a/child",
-            "--holder",
-            "h",
-            "--ttl",
-            "30s",
-            "--parent",
-            &format!("{}:1", id(&a)),
-            "--json",
-        ],
+        &format!(
+            "lease acquire work/a/child --holder h --ttl 30s --parent {}:1 --json",
+            id(&a)
+        ),
     ))
     .await
     .json();
     assert_eq!(child["parent"]["id"], id(&a));
 
     // List: people, JSON, filters.
-    let list = ok(at(&s, &["lease", "list", "--prefix", "work/a"])).await;
+    let list = ok(hf(&s, "lease list --prefix work/a")).await;
     assert_eq!(
         list.stdout.lines().count(),
         3,
         "a header and two rows: {}",
         list.stdout
     );
-    let listed = ok(at(&s, &["lease", "list", "--json", "--holder", "me"]))
-        .await
-        .json();
+    let listed = ok(hf(&s, "lease list --json --holder me")).await.json();
     assert_eq!(listed["items"].as_array().expect("items").len(), 1);
     assert_eq!(listed["next_cursor"], Value::Null);
     assert_eq!(listed["items"][0]["id"], id(&a));
-    let exact = ok(at(&s, &["--json", "lease", "list", "--resource", "work/c"]))
+    let exact = ok(hf(&s, "--json lease list --resource work/c"))
         .await
         .json();
     assert_eq!(exact["items"][0]["id"], id(&r2));
 
     // Release and break, with and without --json; ended ones listed.
-    let released = ok(at(
+    let released = ok(hf(
         &s,
-        &["lease", "release", &id(&r2), "--token", "1", "--json"],
+        &format!("lease release {} --token 1 --json", id(&r2)),
     ))
     .await
     .json();
     assert_eq!(released["state"], "released");
-    let people = ok(at(&s, &["lease", "release", &id(&child), "--token", "1"])).await;
+    let people = ok(hf(&s, &format!("lease release {} --token 1", id(&child)))).await;
     assert!(people.stdout.contains("released"), "{}", people.stdout);
-    let broken = ok(at(
+    let broken = ok(hf(
         &s,
-        &[
-            "lease",
-            "break",
-            &id(&a),
-            "--reason",
-            "maintenance",
-            "--json",
-        ],
+        &format!("lease break {} --reason maintenance --json", id(&a)),
     ))
     .await
     .json();
     assert_eq!(broken["end_reason"], "broken:maintenance");
-    let people = ok(at(&s, &["lease", "break", &id(&r), "--reason", "moving"])).await;
+    let people = ok(hf(&s, &format!("lease break {} --reason moving", id(&r)))).await;
     assert!(people.stdout.contains("broken:moving"), "{}", people.stdout);
-    let ended = ok(at(&s, &["lease", "list", "--state", "ended", "--json"]))
-        .await
-        .json();
+    let ended = ok(hf(&s, "lease list --state ended --json")).await.json();
     assert_eq!(ended["items"].as_array().expect("items").len(), 4);
 }
 
@@ -391,15 +321,13 @@ async fn cli_list_all_joins_every_page() {
     for i in 0..105 {
         s.acquire_ok(&format!("many/{i:03}"), "h").await;
     }
-    let first = ok(at(&s, &["lease", "list", "--json"])).await.json();
+    let first = ok(hf(&s, "lease list --json")).await.json();
     assert_eq!(first["items"].as_array().expect("items").len(), 100);
     assert!(
         first["next_cursor"].is_string(),
         "one page, as the API answered it"
     );
-    let all = ok(at(&s, &["lease", "list", "--all", "--json"]))
-        .await
-        .json();
+    let all = ok(hf(&s, "lease list --all --json")).await.json();
     let items = all["items"].as_array().expect("items");
     assert_eq!(items.len(), 105);
     assert_eq!(all["next_cursor"], Value::Null);
@@ -409,7 +337,7 @@ async fn cli_list_all_joins_every_page() {
         .collect();
     ids.dedup();
     assert_eq!(ids.len(), 105, "no lease twice");
-    let people = ok(at(&s, &["lease", "list", "--all"])).await;
+    let people = ok(hf(&s, "lease list --all")).await;
     assert_eq!(people.stdout.lines().count(), 106);
 }
 
@@ -417,13 +345,7 @@ async fn cli_list_all_joins_every_page() {
 async fn cli_held_lease_exits_75_or_the_conflict_code_naming_the_holder() {
     let s = Server::start().await;
     let held = s.acquire_ok("busy/r", "the-holder").await;
-    let o = out(at(
-        &s,
-        &[
-            "lease", "acquire", "busy/r", "--holder", "me", "--ttl", "10s",
-        ],
-    ))
-    .await;
+    let o = out(hf(&s, "lease acquire busy/r --holder me --ttl 10s")).await;
     assert_eq!(o.code, 75);
     assert_error_line(&o, "lease_held");
     assert!(
@@ -433,19 +355,9 @@ async fn cli_held_lease_exits_75_or_the_conflict_code_naming_the_holder() {
     );
     assert!(o.stderr.contains(&id(&held)), "{}", o.stderr);
     assert!(o.stdout.is_empty());
-    let o = out(at(
+    let o = out(hf(
         &s,
-        &[
-            "lease",
-            "acquire",
-            "busy/r",
-            "--holder",
-            "me",
-            "--ttl",
-            "10s",
-            "--conflict-exit-code",
-            "9",
-        ],
+        "lease acquire busy/r --holder me --ttl 10s --conflict-exit-code 9",
     ))
     .await;
     assert_eq!(o.code, 9);
@@ -456,11 +368,9 @@ async fn cli_wait_runs_out_with_75() {
     let s = Server::start().await;
     s.acquire_ok("slow/r", "h").await;
     let started = Instant::now();
-    let o = out(at(
+    let o = out(hf(
         &s,
-        &[
-            "lease", "acquire", "slow/r", "--holder", "me", "--ttl", "10s", "--wait", "700ms",
-        ],
+        "lease acquire slow/r --holder me --ttl 10s --wait 700ms",
     ))
     .await;
     assert_eq!(o.code, 75, "{}", o.stderr);
@@ -472,12 +382,9 @@ async fn cli_wait_runs_out_with_75() {
 async fn cli_wait_succeeds_when_the_holder_releases() {
     let s = Server::start().await;
     let held = s.acquire_ok("queue/r", "h").await;
-    let waiter = at(
+    let waiter = hf(
         &s,
-        &[
-            "lease", "acquire", "queue/r", "--holder", "next", "--ttl", "10s", "--wait", "30s",
-            "--json",
-        ],
+        "lease acquire queue/r --holder next --ttl 10s --wait 30s --json",
     )
     .spawn()
     .expect("spawn");
@@ -615,28 +522,16 @@ async fn cli_busy_after_retries_exits_69() {
 async fn cli_refusals_and_local_errors_exit_1() {
     let s = Server::start().await;
     let held = s.acquire_ok("r", "h").await;
-    let o = out(at(&s, &["lease", "release", &id(&held), "--token", "99"])).await;
+    let o = out(hf(&s, &format!("lease release {} --token 99", id(&held)))).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "fenced");
-    let o = out(at(
-        &s,
-        &["lease", "get", "01937b4e-5d2a-7c4e-9a1b-2f3c4d5e6f70"],
-    ))
-    .await;
+    let o = out(hf(&s, "lease get 01937b4e-5d2a-7c4e-9a1b-2f3c4d5e6f70")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "not_found");
-    let o = out(at(
-        &s,
-        &["lease", "acquire", "r2", "--holder", "h", "--ttl", "10ms"],
-    ))
-    .await;
+    let o = out(hf(&s, "lease acquire r2 --holder h --ttl 10ms")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "validation");
-    let o = out(at(
-        &s,
-        &["lease", "list", "--token-file", "/nonexistent/token"],
-    ))
-    .await;
+    let o = out(hf(&s, "lease list --token-file /nonexistent/token")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "local");
 }
@@ -650,20 +545,20 @@ async fn cli_tokens_from_file_or_environment_the_file_wins() {
     let s = Server::start_with(&["--auth-token-file", &auth.display().to_string()]).await;
     let (auth, wrong) = (auth.display().to_string(), wrong.display().to_string());
 
-    let o = out(at(&s, &["lease", "list"])).await;
+    let o = out(hf(&s, "lease list")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "unauthorized");
-    ok(at(&s, &["lease", "list", "--token-file", &auth])).await;
-    let mut c = at(&s, &["lease", "list"]);
+    ok(hf(&s, &format!("lease list --token-file {}", auth))).await;
+    let mut c = hf(&s, "lease list");
     c.env("HOLDFAST_TOKEN", "s3cret");
     ok(c).await;
-    let mut c = at(&s, &["lease", "list"]);
+    let mut c = hf(&s, "lease list");
     c.env("HOLDFAST_TOKEN_FILE", &auth);
     ok(c).await;
-    let mut c = at(&s, &["lease", "list", "--token-file", &auth]);
+    let mut c = hf(&s, &format!("lease list --token-file {}", auth));
     c.env("HOLDFAST_TOKEN", "nope");
     ok(c).await;
-    let mut c = at(&s, &["lease", "list"]);
+    let mut c = hf(&s, "lease list");
     c.env("HOLDFAST_TOKEN_FILE", &wrong)
         .env("HOLDFAST_TOKEN", "s3cret");
     assert_eq!(out(c).await.code, 1, "the file wins, even when it is wrong");
@@ -741,7 +636,7 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
     let port = spawned["ports"]["http"].as_u64().expect("a port");
     assert_eq!(spawned["state"], "running");
     assert_eq!(spawned["operation_id"], "op-1");
-    let people = ok(at(&s, &["spawn", "--kind", "idle", "--", "sleep", "30"])).await;
+    let people = ok(hf(&s, "spawn --kind idle -- sleep 30")).await;
     assert!(
         people.stdout.contains("idle") && people.stdout.contains("running"),
         "{}",
@@ -756,20 +651,20 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
         .expect("pid column");
     let _idle = Group(idle_pid);
 
-    let ps = ok(at(&s, &["ps"])).await;
+    let ps = ok(hf(&s, "ps")).await;
     assert_eq!(ps.stdout.lines().count(), 3, "{}", ps.stdout);
     assert!(ps.stdout.contains(&format!("http={port}")), "{}", ps.stdout);
-    let ps = ok(at(&s, &["ps", "--kind", "web", "--json"])).await.json();
+    let ps = ok(hf(&s, "ps --kind web --json")).await.json();
     assert_eq!(ps["items"][0]["id"], spawned["id"]);
     assert_eq!(ps["items"].as_array().map(Vec::len), Some(1));
 
-    let ports = ok(at(&s, &["ports", "list"])).await;
+    let ports = ok(hf(&s, "ports list")).await;
     assert!(
         ports.stdout.contains(&port.to_string()) && ports.stdout.contains("http"),
         "{}",
         ports.stdout
     );
-    let ports = ok(at(&s, &["ports", "list", "--json"])).await.json();
+    let ports = ok(hf(&s, "ports list --json")).await.json();
     assert_eq!(ports["items"][0]["port"], port);
 
     // Logs, both streams; --follow ends when the process does.
@@ -782,12 +677,14 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
         logs == expect
     })
     .await;
-    assert_eq!(ok(at(&s, &["logs", &pid_id])).await.stdout, expect);
+    assert_eq!(ok(hf(&s, &format!("logs {}", pid_id))).await.stdout, expect);
     assert_eq!(
-        ok(at(&s, &["logs", &pid_id, "--stderr"])).await.stdout,
+        ok(hf(&s, &format!("logs {} --stderr", pid_id)))
+            .await
+            .stdout,
         "oops\n"
     );
-    let mut follower = at(&s, &["logs", &pid_id, "--follow"])
+    let mut follower = hf(&s, &format!("logs {} --follow", pid_id))
         .spawn()
         .expect("spawn");
     let mut lines = BufReader::new(follower.stdout.take().expect("stdout")).lines();
@@ -813,41 +710,27 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
     assert_eq!(finish(follower).await.code, 0);
 
     // Stop, with and without --json.
-    let idle = ok(at(&s, &["ps", "--kind", "idle", "--json"])).await.json();
+    let idle = ok(hf(&s, "ps --kind idle --json")).await.json();
     let idle = &idle["items"][0];
-    let stopped = ok(at(
+    let stopped = ok(hf(
         &s,
-        &[
-            "stop",
-            &id(idle),
-            "--token",
-            &idle["token"].to_string(),
-            "--grace",
-            "2s",
-            "--reason",
-            "done",
-            "--json",
-        ],
+        &format!(
+            "stop {} --token {} --grace 2s --reason done --json",
+            id(idle),
+            idle["token"]
+        ),
     ))
     .await
     .json();
     assert_eq!(stopped["state"], "stopped");
     assert!(!alive(i64::from(idle_pid)));
-    let people = ok(at(
+    let people = ok(hf(
         &s,
-        &[
-            "stop",
-            &pid_id,
-            "--token",
-            &spawned["token"].to_string(),
-            "--no-force",
-        ],
+        &format!("stop {} --token {} --no-force", pid_id, spawned["token"]),
     ))
     .await;
     assert!(people.stdout.contains("web"), "{}", people.stdout);
-    let all = ok(at(&s, &["ps", "--state", "ended", "--all", "--json"]))
-        .await
-        .json();
+    let all = ok(hf(&s, "ps --state ended --all --json")).await.json();
     assert_eq!(all["items"].as_array().map(Vec::len), Some(2));
 }
 
@@ -857,7 +740,7 @@ async fn cli_events_read_filtered_and_followed() {
     let a = s.acquire_ok("ev/a", "h").await;
     s.lease_op(&id(&a), "release", json!({"token": 1})).await;
 
-    let all = ok(at(&s, &["events", "--json"])).await.json();
+    let all = ok(hf(&s, "events --json")).await.json();
     let items = all["items"].as_array().expect("items");
     assert_eq!(items.len(), 2);
     assert_eq!(
@@ -865,7 +748,7 @@ async fn cli_events_read_filtered_and_followed() {
         s.get("/v1/events").await.body,
         "one page: what the API answered"
     );
-    let people = ok(at(&s, &["events"])).await;
+    let people = ok(hf(&s, "events")).await;
     assert!(
         people
             .stdout
@@ -875,23 +758,18 @@ async fn cli_events_read_filtered_and_followed() {
         "{}",
         people.stdout
     );
-    let only = ok(at(&s, &["events", "--type", "lease.released", "--json"]))
+    let only = ok(hf(&s, "events --type lease.released --json"))
         .await
         .json();
     assert_eq!(only["items"].as_array().map(Vec::len), Some(1));
     assert_eq!(only["items"][0]["type"], "lease.released");
-    let after = ok(at(&s, &["events", "--after", "1", "--json"]))
-        .await
-        .json();
+    let after = ok(hf(&s, "events --after 1 --json")).await.json();
     assert_eq!(after["items"][0]["seq"], 2);
 
     // --follow without --after starts now: only what happens next.
-    let mut follower = at(
-        &s,
-        &["events", "--follow", "--json", "--type", "lease.acquired"],
-    )
-    .spawn()
-    .expect("spawn");
+    let mut follower = hf(&s, "events --follow --json --type lease.acquired")
+        .spawn()
+        .expect("spawn");
     let mut lines = BufReader::new(follower.stdout.take().expect("stdout")).lines();
     // The follower has its stream open once the server counts it waiting;
     // until then, new leases could come before it looks.
@@ -915,9 +793,7 @@ async fn cli_events_read_filtered_and_followed() {
     );
     drop(follower);
 
-    let mut people = at(&s, &["events", "--follow", "--after", "0"])
-        .spawn()
-        .expect("spawn");
+    let mut people = hf(&s, "events --follow --after 0").spawn().expect("spawn");
     let mut lines = BufReader::new(people.stdout.take().expect("stdout")).lines();
     let first = tokio::time::timeout(LIMIT, lines.next_line())
         .await
@@ -932,14 +808,60 @@ async fn cli_events_read_filtered_and_followed() {
 
 // ---- holdfast run ----------------------------------------------------------
 
+/// What a command under test runs last: wait until the test creates `go`.
+const UNTIL_GO: &str = "while [ ! -e go ]; do sleep 0.05; done";
+
+/// `holdfast run EXTRA -- sh -c SCRIPT`, in `dir`, against `s`.
+fn run_sh(s: &Server, extra: &[&str], dir: &Path, script: &str) -> Command {
+    let mut args = vec!["run"];
+    args.extend_from_slice(extra);
+    let script = format!("cd '{}' && {script}", dir.display());
+    args.extend(["--", "sh", "-c", &script]);
+    at(s, &args)
+}
+
+/// A `holdfast run` in the background whose command wrote its pid (the
+/// pid of COMMAND's process group) to `pid` as it started.
+struct Running {
+    child: Child,
+    pid: i32,
+    _group: Group,
+}
+
+async fn start(mut cmd: Command, dir: &Path) -> Running {
+    let child = cmd.spawn().expect("spawn holdfast run");
+    let pid = wait_for_file(&dir.join("pid"))
+        .await
+        .trim()
+        .parse()
+        .expect("a pid");
+    Running {
+        child,
+        pid,
+        _group: Group(pid),
+    }
+}
+
+fn go(dir: &Path) {
+    std::fs::write(dir.join("go"), "").expect("write go");
+}
+
+/// GET with a bearer token, for servers that want one.
+async fn get_as(s: &Server, path: &str, token: &str) -> Value {
+    let res = s.client.get(s.url(path)).bearer_auth(token).send().await;
+    res.expect("GET").json().await.expect("JSON")
+}
+
 #[tokio::test]
 async fn cli_run_gives_the_command_its_lease_and_exits_with_its_code() {
     let s = Server::start().await;
     let tmp = tempfile::tempdir().expect("tempdir");
-    let cmd = sh(tmp.path(), "env > env.txt; exit 7");
-    let mut run = at(
+    let dir = tmp.path();
+    let mut run = run_sh(
         &s,
-        &run_args(&["--lease", "job/env", "--holder", "ci step"], &cmd),
+        &["--lease", "job/env", "--holder", "ci step"],
+        dir,
+        "env > env.txt; exit 7",
     );
     run.env("SOME_SETTING", "kept");
     let o = out(run).await;
@@ -950,7 +872,7 @@ async fn cli_run_gives_the_command_its_lease_and_exits_with_its_code() {
         o.stdout,
         o.stderr
     );
-    let env = std::fs::read_to_string(tmp.path().join("env.txt")).expect("env");
+    let env = std::fs::read_to_string(dir.join("env.txt")).expect("env");
     let lease = lease_of(&s, "job/env").await;
     assert!(
         env.contains(&format!("HOLDFAST_LEASE_ID={}\n", id(&lease))),
@@ -968,35 +890,22 @@ async fn cli_run_gives_the_command_its_lease_and_exits_with_its_code() {
     );
     assert_eq!(lease["holder"], "ci step");
 
-    let o = out(at(
-        &s,
-        &run_args(&["--lease", "job/env"], &sh(tmp.path(), "exit 0")),
-    ))
-    .await;
-    assert_eq!(o.code, 0);
-    let o = out(at(
-        &s,
-        &run_args(
-            &["--lease", "job/env"],
-            &["sh".into(), "-c".into(), "kill -9 $$".into()],
-        ),
-    ))
-    .await;
-    assert_eq!(o.code, 128 + 9, "a signal N ends it: 128 + N");
-    let o = out(at(
-        &s,
-        &run_args(&["--lease", "job/env"], &["no-such-program-here".into()]),
-    ))
-    .await;
+    assert_eq!(
+        out(run_sh(&s, &["--lease", "job/env"], dir, "exit 0"))
+            .await
+            .code,
+        0
+    );
+    let o = out(run_sh(&s, &["--lease", "job/env"], dir, "kill -9 $$")).await;
+    assert_eq!(o.code, 128 + 9, "signal N ends it: 128 + N");
+    let o = out(hf(&s, "run --lease job/env -- no-such-program-here")).await;
     assert_eq!(o.code, 127, "{}", o.stderr);
     let lease = lease_of(&s, "job/env").await;
     assert_eq!(lease["state"], "released");
+    let holder = lease["holder"].as_str().unwrap_or_default();
     assert!(
-        lease["holder"]
-            .as_str()
-            .is_some_and(|h| h.ends_with(": no-such-program-here")),
-        "default holder: {}",
-        lease["holder"]
+        holder.ends_with(": no-such-program-here"),
+        "default holder: {holder}"
     );
     let ps = s.get("/v1/processes?state=all").await.body;
     assert_eq!(ps["items"][0]["kind"], "run");
@@ -1010,10 +919,10 @@ async fn cli_run_gives_the_command_its_lease_and_exits_with_its_code() {
 async fn cli_run_when_held_exits_75_or_waits() {
     let s = Server::start().await;
     let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
     let held = s.acquire_ok("job/held", "someone-else").await;
-    let cmd = sh(tmp.path(), "touch ran");
 
-    let o = out(at(&s, &run_args(&["--lease", "job/held"], &cmd))).await;
+    let o = out(run_sh(&s, &["--lease", "job/held"], dir, "touch ran")).await;
     assert_eq!(o.code, 75);
     assert_error_line(&o, "lease_held");
     assert!(
@@ -1021,27 +930,22 @@ async fn cli_run_when_held_exits_75_or_waits() {
         "{}",
         o.stderr
     );
-    let o = out(at(
-        &s,
-        &run_args(
-            &[
-                "--lease",
-                "job/held",
-                "--wait",
-                "300ms",
-                "--conflict-exit-code",
-                "3",
-            ],
-            &cmd,
-        ),
-    ))
-    .await;
-    assert_eq!(o.code, 3);
-    assert!(!tmp.path().join("ran").exists(), "the command did not run");
+    let args = [
+        "--lease",
+        "job/held",
+        "--wait",
+        "300ms",
+        "--conflict-exit-code",
+        "3",
+    ];
+    assert_eq!(out(run_sh(&s, &args, dir, "touch ran")).await.code, 3);
+    assert!(!dir.join("ran").exists(), "the command did not run");
 
-    let waiter = at(
+    let waiter = run_sh(
         &s,
-        &run_args(&["--lease", "job/held", "--wait", "30s"], &cmd),
+        &["--lease", "job/held", "--wait", "30s"],
+        dir,
+        "touch ran",
     )
     .spawn()
     .expect("spawn");
@@ -1050,35 +954,26 @@ async fn cli_run_when_held_exits_75_or_waits() {
             .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
     })
     .await;
-    assert!(!tmp.path().join("ran").exists());
+    assert!(!dir.join("ran").exists());
     s.lease_op(&id(&held), "release", json!({"token": 1})).await;
     let o = finish(waiter).await;
     assert_eq!(o.code, 0, "{}", o.stderr);
-    assert!(tmp.path().join("ran").exists());
+    assert!(dir.join("ran").exists());
 }
 
 #[tokio::test]
 async fn cli_run_passes_sigterm_on_and_returns_the_commands_code() {
     let s = Server::start().await;
     let tmp = tempfile::tempdir().expect("tempdir");
-    let cmd = sh(
-        tmp.path(),
-        "trap 'echo TERM > got; exit 42' TERM; echo $$ > pid; while :; do sleep 0.05; done",
-    );
-    let run = at(&s, &run_args(&["--lease", "job/term"], &cmd))
-        .spawn()
-        .expect("spawn");
-    let pid: i32 = wait_for_file(&tmp.path().join("pid"))
-        .await
-        .trim()
-        .parse()
-        .expect("pid");
-    let _group = Group(pid);
-    signal(&run, Signal::TERM);
-    let o = finish(run).await;
+    let dir = tmp.path();
+    let script =
+        "trap 'echo TERM > got; exit 42' TERM; echo $$ > pid; while :; do sleep 0.05; done";
+    let run = start(run_sh(&s, &["--lease", "job/term"], dir, script), dir).await;
+    signal(&run.child, Signal::TERM);
+    let o = finish(run.child).await;
     assert_eq!(o.code, 42, "{}", o.stderr);
     assert_eq!(
-        std::fs::read_to_string(tmp.path().join("got"))
+        std::fs::read_to_string(dir.join("got"))
             .expect("got")
             .trim(),
         "TERM"
@@ -1090,28 +985,30 @@ async fn cli_run_passes_sigterm_on_and_returns_the_commands_code() {
 async fn cli_run_killed_leaves_no_command_and_frees_the_lease() {
     let s = Server::start().await;
     let tmp = tempfile::tempdir().expect("tempdir");
-    let cmd = sh(tmp.path(), "echo $$ > pid; exec sleep 120");
-    let mut run = at(&s, &run_args(&["--lease", "job/kill9"], &cmd))
-        .spawn()
-        .expect("spawn");
-    let pid: i32 = wait_for_file(&tmp.path().join("pid"))
-        .await
-        .trim()
-        .parse()
-        .expect("pid");
-    let _group = Group(pid);
-    assert!(alive(i64::from(pid)));
+    let dir = tmp.path();
+    let mut run = start(
+        run_sh(
+            &s,
+            &["--lease", "job/kill9"],
+            dir,
+            "echo $$ > pid; exec sleep 120",
+        ),
+        dir,
+    )
+    .await;
+    let pid = i64::from(run.pid);
+    assert!(alive(pid));
     let owner = lease_of(&s, "job/kill9").await["owner"]["pid"].clone();
     assert_eq!(
         owner,
-        run.id().expect("pid"),
+        run.child.id().expect("pid"),
         "over TCP the lease is owned by run's pid"
     );
 
-    run.start_kill().expect("SIGKILL");
-    run.wait().await.expect("reap");
+    run.child.start_kill().expect("SIGKILL");
+    run.child.wait().await.expect("reap");
     assert!(
-        until(Duration::from_secs(10), || !alive(i64::from(pid))).await,
+        until(Duration::from_secs(10), || !alive(pid)).await,
         "the server stopped the command"
     );
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -1135,71 +1032,70 @@ async fn cli_run_killed_leaves_no_command_and_frees_the_lease() {
 async fn cli_run_stops_the_command_and_exits_75_when_the_lease_is_broken() {
     let s = Server::start().await;
     let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
     // It ignores SIGTERM: --grace decides when SIGKILL comes.
-    let cmd = sh(
-        tmp.path(),
-        "trap '' TERM; echo $$ > pid; while :; do sleep 0.05; done",
-    );
-    let run = at(
-        &s,
-        &run_args(&["--lease", "job/broken", "--grace", "500ms"], &cmd),
+    let script = "trap '' TERM; echo $$ > pid; while :; do sleep 0.05; done";
+    let run = start(
+        run_sh(
+            &s,
+            &["--lease", "job/broken", "--grace", "500ms"],
+            dir,
+            script,
+        ),
+        dir,
     )
-    .spawn()
-    .expect("spawn");
-    let pid: i32 = wait_for_file(&tmp.path().join("pid"))
-        .await
-        .trim()
-        .parse()
-        .expect("pid");
-    let _group = Group(pid);
+    .await;
     let lease = lease_of(&s, "job/broken").await;
+    let broken_at = Instant::now();
     let r = s
         .lease_op(&id(&lease), "break", json!({"reason": "maintenance"}))
         .await;
     assert_eq!(r.status, StatusCode::OK);
-    let o = finish(run).await;
+    let o = finish(run.child).await;
     assert_eq!(o.code, 75, "{}", o.stderr);
+    // run's own --grace, not the server's 5 s stop of the orphaned tree.
+    assert!(
+        broken_at.elapsed() < Duration::from_secs(4),
+        "run saw the loss and killed after its grace: {:?}",
+        broken_at.elapsed()
+    );
     assert_error_line(&o, "lease_lost");
     assert!(o.stderr.contains("broken:maintenance"), "{}", o.stderr);
     assert!(
-        !alive(i64::from(pid)),
+        !alive(i64::from(run.pid)),
         "the command was stopped before run exited"
     );
 
     // --conflict-exit-code also names the code of a lost lease.
-    let cmd = sh(tmp.path(), "echo $$ > pid2; while :; do sleep 0.05; done");
-    let run = at(
-        &s,
-        &run_args(
-            &["--lease", "job/broken", "--conflict-exit-code", "12"],
-            &cmd,
+    std::fs::remove_file(dir.join("pid")).expect("rm");
+    let args = ["--lease", "job/broken", "--conflict-exit-code", "12"];
+    let run = start(
+        run_sh(
+            &s,
+            &args,
+            dir,
+            "echo $$ > pid; while :; do sleep 0.05; done",
         ),
+        dir,
     )
-    .spawn()
-    .expect("spawn");
-    let pid: i32 = wait_for_file(&tmp.path().join("pid2"))
-        .await
-        .trim()
-        .parse()
-        .expect("pid");
-    let _group2 = Group(pid);
+    .await;
     let lease = lease_of(&s, "job/broken").await;
     s.lease_op(&id(&lease), "break", json!({"reason": "again"}))
         .await;
-    assert_eq!(finish(run).await.code, 12);
+    assert_eq!(finish(run.child).await.code, 12);
 }
 
 #[tokio::test]
 async fn cli_run_renews_a_ttl_while_the_command_runs() {
     let s = Server::start().await;
     let tmp = tempfile::tempdir().expect("tempdir");
-    let cmd = sh(tmp.path(), "while [ ! -e go ]; do sleep 0.05; done");
-    let run = at(
-        &s,
-        &run_args(&["--lease", "job/ttl", "--ttl", "1500ms"], &cmd),
+    let dir = tmp.path();
+    let script = format!("echo $$ > pid; {UNTIL_GO}");
+    let run = start(
+        run_sh(&s, &["--lease", "job/ttl", "--ttl", "1500ms"], dir, &script),
+        dir,
     )
-    .spawn()
-    .expect("spawn");
+    .await;
     let renewed = s
         .eventually(
             "/v1/leases?resource=job/ttl",
@@ -1208,31 +1104,25 @@ async fn cli_run_renews_a_ttl_while_the_command_runs() {
         )
         .await;
     let lease = &renewed["items"][0];
-    assert_eq!(lease["ttl_ms"], 1500);
-    assert_eq!(lease["state"], "active");
+    assert_eq!(
+        (lease["ttl_ms"].as_i64(), lease["state"].as_str()),
+        (Some(1500), Some("active"))
+    );
     assert_eq!(lease["stale"], false);
-    std::fs::write(tmp.path().join("go"), "").expect("go");
-    assert_eq!(finish(run).await.code, 0);
+    go(dir);
+    assert_eq!(finish(run.child).await.code, 0);
 }
 
 #[tokio::test]
 async fn cli_run_ports_reach_the_command_and_are_freed_after() {
     let s = Server::start().await;
     let tmp = tempfile::tempdir().expect("tempdir");
-    let cmd = sh(
-        tmp.path(),
-        "echo \"$PORT $PORT_HTTP $PORT_DEBUG\" > ports; while [ ! -e go ]; do sleep 0.05; done",
-    );
-    let run = at(
-        &s,
-        &run_args(
-            &["--lease", "job/ports", "--port", "http", "--port", "debug"],
-            &cmd,
-        ),
-    )
-    .spawn()
-    .expect("spawn");
-    let text = wait_for_file(&tmp.path().join("ports")).await;
+    let dir = tmp.path();
+    let script =
+        format!("echo \"$PORT $PORT_HTTP $PORT_DEBUG\" > ports; echo $$ > pid; {UNTIL_GO}");
+    let args = ["--lease", "job/ports", "--port", "http", "--port", "debug"];
+    let run = start(run_sh(&s, &args, dir, &script), dir).await;
+    let text = std::fs::read_to_string(dir.join("ports")).expect("ports");
     let ports: Vec<u64> = text
         .split_whitespace()
         .map(|p| p.parse().expect("a port number"))
@@ -1240,76 +1130,67 @@ async fn cli_run_ports_reach_the_command_and_are_freed_after() {
     assert_eq!(ports.len(), 3, "{text}");
     assert_eq!(ports[0], ports[1], "PORT is the first");
     assert_ne!(ports[1], ports[2]);
-    let lease = lease_of(&s, "job/ports").await;
+    let lease = id(&lease_of(&s, "job/ports").await);
     let reserved = s.get("/v1/ports").await.body;
-    let mut held: Vec<(u64, String)> = reserved["items"]
+    let mut held: Vec<(u64, &str)> = reserved["items"]
         .as_array()
         .expect("items")
         .iter()
         .map(|p| {
             (
-                p["port"].as_u64().expect("port"),
-                p["owner"]["lease"]["id"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
+                p["port"].as_u64().unwrap_or(0),
+                p["owner"]["lease"]["id"].as_str().unwrap_or(""),
             )
         })
         .collect();
     held.sort();
-    let mut want = vec![(ports[1], id(&lease)), (ports[2], id(&lease))];
+    let mut want = vec![(ports[1], lease.as_str()), (ports[2], lease.as_str())];
     want.sort();
     assert_eq!(held, want, "reserved for the lease");
-    std::fs::write(tmp.path().join("go"), "").expect("go");
-    assert_eq!(finish(run).await.code, 0);
-    let after = s.get("/v1/ports").await.body;
-    assert_eq!(after["items"], json!([]), "freed with the lease");
+    go(dir);
+    assert_eq!(finish(run.child).await.code, 0);
+    assert_eq!(
+        s.get("/v1/ports").await.body["items"],
+        json!([]),
+        "freed with the lease"
+    );
 }
 
 #[tokio::test]
 async fn cli_run_over_the_unix_socket_is_owned_by_run_and_never_sees_the_token() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let token = tmp.path().join("token");
+    let dir = tmp.path();
+    let token = dir.join("token");
     std::fs::write(&token, "very-secret-token\n").expect("write");
-    let sock = tmp.path().join("hf.sock");
-    let s = Server::start_with(&[
-        "--auth-token-file",
-        &token.display().to_string(),
-        "--unix-socket",
-        &sock.display().to_string(),
-    ])
-    .await;
-    let cmd = sh(
-        tmp.path(),
-        "env > env.txt; while [ ! -e go ]; do sleep 0.05; done",
+    let sock = dir.join("hf.sock");
+    let (token_arg, sock_arg) = (token.display().to_string(), sock.display().to_string());
+    let s =
+        Server::start_with(&["--auth-token-file", &token_arg, "--unix-socket", &sock_arg]).await;
+    let mut cmd = run_sh(
+        &s,
+        &["--lease", "job/sock"],
+        dir,
+        &format!("env > env.txt; echo $$ > pid; {UNTIL_GO}"),
     );
-    let mut run = holdfast(&run_args(&["--lease", "job/sock"], &cmd));
-    run.env("HOLDFAST_SOCKET", &sock)
+    cmd.env_remove("HOLDFAST_URL")
+        .env("HOLDFAST_SOCKET", &sock)
         .env("HOLDFAST_TOKEN_FILE", &token)
         .env("HOLDFAST_TOKEN", "very-secret-token");
-    let run = run.spawn().expect("spawn");
-    let env = wait_for_file(&tmp.path().join("env.txt")).await;
-    let lease = s
-        .client
-        .get(s.url("/v1/leases?resource=job/sock"))
-        .bearer_auth("very-secret-token")
-        .send()
-        .await
-        .expect("get")
-        .json::<Value>()
-        .await
-        .expect("json");
+    let run = start(cmd, dir).await;
+    let lease = get_as(&s, "/v1/leases?resource=job/sock", "very-secret-token").await;
+    let owner = &lease["items"][0]["owner"];
     assert_eq!(
-        lease["items"][0]["owner"]["pid"],
-        run.id().expect("pid"),
+        owner["pid"],
+        run.child.id().expect("pid"),
         "\"caller\" is run itself"
     );
     assert_eq!(lease["items"][0]["owner_status"], "live");
+    let env = std::fs::read_to_string(dir.join("env.txt")).expect("env");
     assert!(env.contains("HOLDFAST_LEASE_ID="), "{env}");
     assert!(!env.contains("very-secret-token"), "{env}");
     assert!(!env.contains("HOLDFAST_TOKEN"), "{env}");
-    std::fs::write(tmp.path().join("go"), "").expect("go");
-    let o = finish(run).await;
+    go(dir);
+    let o = finish(run.child).await;
     assert_eq!(o.code, 0, "{}", o.stderr);
 }
 
@@ -1322,21 +1203,18 @@ async fn cli_run_refused_confirmation_never_starts_the_command() {
         return;
     }
     let tmp = tempfile::tempdir().expect("tempdir");
-    let token = tmp.path().join("token");
+    let dir = tmp.path();
+    let token = dir.join("token");
     std::fs::write(&token, "ordinary\n").expect("write");
-    let s = Server::start_with(&["--auth-token-file", &token.display().to_string()]).await;
-    let cmd = sh(tmp.path(), "touch ran");
-    let o = out(at(
+    let token_arg = token.display().to_string();
+    let s = Server::start_with(&["--auth-token-file", &token_arg]).await;
+    let o = out(run_sh(
         &s,
-        &run_args(
-            &[
-                "--lease",
-                "job/refused",
-                "--token-file",
-                &token.display().to_string(),
-            ],
-            &cmd,
-        ),
+        &["--lease", "job/refused", "--token-file", &token_arg],
+        dir,
+        // A builtin, no fork: were COMMAND let out before the refusal, it
+        // would write this before run could kill it.
+        ": > ran",
     ))
     .await;
     assert_eq!(o.code, 1, "{}", o.stderr);
@@ -1346,16 +1224,7 @@ async fn cli_run_refused_confirmation_never_starts_the_command() {
         "it says what to use: {}",
         o.stderr
     );
-    assert!(!tmp.path().join("ran").exists(), "the command never ran");
-    let lease = s
-        .client
-        .get(s.url("/v1/leases?resource=job/refused&state=all"))
-        .bearer_auth("ordinary")
-        .send()
-        .await
-        .expect("get")
-        .json::<Value>()
-        .await
-        .expect("json");
+    assert!(!dir.join("ran").exists(), "the command never ran");
+    let lease = get_as(&s, "/v1/leases?resource=job/refused&state=all", "ordinary").await;
     assert_eq!(lease["items"][0]["state"], "released");
 }
