@@ -636,7 +636,7 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
     let port = spawned["ports"]["http"].as_u64().expect("a port");
     assert_eq!(spawned["state"], "running");
     assert_eq!(spawned["operation_id"], "op-1");
-    let people = ok(hf(&s, "spawn --kind idle -- sleep 30")).await;
+    let people = ok(hf(&s, "spawn --kind idle --ttl 1m -- sleep 30")).await;
     assert!(
         people.stdout.contains("idle") && people.stdout.contains("running"),
         "{}",
@@ -712,6 +712,7 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
     // Stop, with and without --json.
     let idle = ok(hf(&s, "ps --kind idle --json")).await.json();
     let idle = &idle["items"][0];
+    assert_eq!(idle["ttl_ms"], 60_000);
     let stopped = ok(hf(
         &s,
         &format!(
@@ -859,7 +860,14 @@ async fn cli_run_gives_the_command_its_lease_and_exits_with_its_code() {
     let dir = tmp.path();
     let mut run = run_sh(
         &s,
-        &["--lease", "job/env", "--holder", "ci step"],
+        &[
+            "--lease",
+            "job/env",
+            "--holder",
+            "ci step",
+            "--metadata",
+            r#"{"pipeline": 12}"#,
+        ],
         dir,
         "env > env.txt; exit 7",
     );
@@ -889,6 +897,7 @@ async fn cli_run_gives_the_command_its_lease_and_exits_with_its_code() {
         "released when the command ended"
     );
     assert_eq!(lease["holder"], "ci step");
+    assert_eq!(lease["metadata"], json!({"pipeline": 12}));
 
     assert_eq!(
         out(run_sh(&s, &["--lease", "job/env"], dir, "exit 0"))
