@@ -280,7 +280,8 @@ pub fn table(leases: &[LeaseView]) -> Table {
                 None => format!("pid {} {status}", o.pid),
             }
         });
-        let mut expires = opt_time(l.expires_at);
+        // An ended lease expires no more.
+        let mut expires = opt_time(l.expires_at.filter(|_| l.state.is_current()));
         if l.stale {
             expires.push_str(" (stale)");
         }

@@ -4,6 +4,7 @@
 
 mod child;
 pub mod gate;
+mod previous;
 mod terminal;
 mod watch;
 
@@ -101,9 +102,11 @@ pub async fn run(a: RunArgs, client: &Client) -> Result<u8, CliError> {
     }
 }
 
-/// Steps 3 to 7, with the lease held: ports, COMMAND registered, started
-/// and confirmed, then supervised until it ends or the lease is lost.
+/// Steps 3 to 7, with the lease held: the previous holder's processes
+/// gone, ports, COMMAND registered, started and confirmed, then supervised
+/// until it ends or the lease is lost.
 async fn under_lease(a: &RunArgs, client: &Client, held: &LeaseView) -> Result<Ended, CliError> {
+    previous::wait_until_stopped(client, held, a.conflict_exit_code).await?;
     let lease_ref = TokenRef {
         id: held.id.clone(),
         token: held.token,
