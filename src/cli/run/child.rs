@@ -40,8 +40,8 @@ const FORWARDED: [(SignalKind, Signal); 4] = [
 
 impl Gated {
     /// Start the gate for `argv` with `env` added and the API token taken
-    /// out of the environment. Signal handlers are installed first, so a
-    /// signal from now on is passed on rather than killing `run`.
+    /// out of the environment. Until `supervise`, signals keep their default
+    /// action: one that ends `run` closes the gate, and COMMAND never starts.
     pub fn spawn(argv: &[OsString], env: &[(String, String)]) -> Result<Self, CliError> {
         let local = |what: &str, e: std::io::Error| CliError::local(format!("{what}: {e}"));
         let (reader, writer) = std::io::pipe().map_err(|e| local("creating the gate pipe", e))?;
@@ -93,8 +93,9 @@ impl Gated {
         let _ = self.child.wait().await;
     }
 
-    /// Wait for COMMAND to end, passing on signals, or stop it when `lost`
-    /// resolves (SIGTERM, then SIGKILL after `grace`).
+    /// Clear COMMAND to start, then wait for it to end, passing on the
+    /// signals `run` receives from now on, or stop it when `lost` resolves
+    /// (SIGTERM, then SIGKILL after `grace`).
     pub async fn supervise(
         mut self,
         lost: impl Future<Output = String>,
