@@ -1,3 +1,5 @@
+mod cli;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -8,9 +10,11 @@ use holdfast::config::Config;
 #[command(
     name = "holdfast",
     version,
-    about = "Exclusive leases with fencing tokens, over HTTP/JSON"
+    about = "Exclusive leases with fencing tokens, over HTTP/JSON: the server and its client"
 )]
 struct Cli {
+    #[command(flatten)]
+    conn: cli::ConnArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -22,10 +26,12 @@ enum Command {
     /// Print the OpenAPI document.
     Openapi,
     /// Exit 0 only when the service answers /readyz with 200 (for container health checks).
-    Healthcheck {
-        #[arg(long, env = "HOLDFAST_URL", default_value = "http://127.0.0.1:7427")]
-        url: String,
-    },
+    Healthcheck,
+    #[command(flatten)]
+    Client(cli::ClientCmd),
+    /// The gate `holdfast run` starts COMMAND behind (internal).
+    #[command(name = "__exec", hide = true)]
+    Exec(cli::run::gate::ExecArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,14 +41,10 @@ fn main() -> ExitCode {
             print!("{}", holdfast::api::openapi_json());
             ExitCode::SUCCESS
         }
-        Command::Healthcheck { url } => match holdfast_healthcheck(&url) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("holdfast healthcheck: {e}");
-                ExitCode::FAILURE
-            }
-        },
+        Command::Healthcheck => ExitCode::from(cli::healthcheck(&cli.conn)),
         Command::Serve(config) => serve(*config),
+        Command::Client(cmd) => ExitCode::from(cli::main(&cli.conn, cmd)),
+        Command::Exec(args) => cli::run::gate::exec(args),
     }
 }
 
@@ -100,36 +102,4 @@ async fn shutdown_signal() {
         _ = int.recv() => {}
     }
     tracing::info!("shutting down");
-}
-
-/// GET <url>/readyz over plain HTTP/1.1; Ok only on status 200.
-fn holdfast_healthcheck(url: &str) -> Result<(), String> {
-    use std::io::{Read, Write};
-    use std::time::Duration;
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or("the URL must start with http://")?;
-    let authority = rest.split('/').next().unwrap_or(rest);
-    let mut stream = std::net::TcpStream::connect(authority)
-        .map_err(|e| format!("connecting to {authority}: {e}"))?;
-    let timeout = Some(Duration::from_secs(5));
-    stream
-        .set_read_timeout(timeout)
-        .map_err(|e| e.to_string())?;
-    stream
-        .set_write_timeout(timeout)
-        .map_err(|e| e.to_string())?;
-    write!(
-        stream,
-        "GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(|e| e.to_string())?;
-    let mut head = [0u8; 64];
-    let n = stream.read(&mut head).map_err(|e| e.to_string())?;
-    let status_line = String::from_utf8_lossy(&head[..n]);
-    match status_line.split_whitespace().nth(1) {
-        Some("200") => Ok(()),
-        Some(code) => Err(format!("/readyz answered {code}")),
-        None => Err("no HTTP answer".into()),
-    }
 }

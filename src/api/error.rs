@@ -81,7 +81,7 @@ impl Code {
 }
 
 /// The record a `fenced` (or similar) problem shows as it is now.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(untagged)]
 #[allow(dead_code, clippy::large_enum_variant)] // documents `Problem.current`, which is built as JSON
 pub enum CurrentRecord {
@@ -96,7 +96,7 @@ pub enum CurrentRecord {
 /// `not_reserved`, `process_alive`, `identity_mismatch`, `remote_process`
 /// and `process_tree_not_settled`, `parent` for `parent_fenced`, `process`
 /// for `operation_in_progress`, `oldest_seq` for `events_pruned`.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[allow(dead_code)] // documents the body, which `problem()` builds as JSON
 pub struct Problem {
     #[serde(rename = "type")]

@@ -33,7 +33,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 }
 
 /// The parent lease a new lease is acquired under; it must be current.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ParentSpec {
     pub id: String,
@@ -41,7 +41,7 @@ pub struct ParentSpec {
     pub token: i64,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     /// 1..=512 bytes of UTF-8 without control characters.
@@ -77,7 +77,7 @@ pub struct AcquireRequest {
 }
 
 /// The acquired lease; `reclaimed` only when this acquire ended the previous one.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct AcquireResponse {
     #[serde(flatten)]
     pub lease: LeaseView,
@@ -86,7 +86,7 @@ pub struct AcquireResponse {
     pub reclaimed: Option<Reclaimed>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RenewRequest {
     #[schema(minimum = 1)]
@@ -98,7 +98,7 @@ pub struct RenewRequest {
     pub ttl_ms: Option<i64>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ActivateRequest {
     #[schema(minimum = 1)]
@@ -108,7 +108,7 @@ pub struct ActivateRequest {
     pub owner: Option<OwnerSpec>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     #[schema(minimum = 1)]
@@ -116,7 +116,7 @@ pub struct ReleaseRequest {
     pub token: i64,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BreakRequest {
     /// Why the lease is broken; recorded as `broken:<reason>`.
@@ -128,7 +128,7 @@ pub struct BreakRequest {
     pub reason: String,
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
+#[derive(Debug, Serialize, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
@@ -149,7 +149,7 @@ pub struct ListQuery {
     pub cursor: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct LeaseList {
     pub items: Vec<LeaseView>,
     /// Pass as `cursor` for the next page; null on the last page.

@@ -3,14 +3,14 @@
 
 pub mod auth;
 pub mod error;
-mod events;
+pub mod events;
 pub mod extract;
-mod leases;
+pub mod leases;
 mod openapi;
-mod owner;
+pub mod owner;
 mod paging;
-mod ports;
-mod processes;
+pub mod ports;
+pub mod processes;
 mod service;
 mod strict;
 mod validate;

@@ -1,6 +1,6 @@
 //! `owner` members: a pid the server reads itself, or the calling process.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::auth::{Caller, Peer};
@@ -10,20 +10,20 @@ use crate::model::Identity;
 
 /// `{"pid": 4242}` (optionally with the `start_time` the client saw), or
 /// `"caller"` over the Unix socket.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum OwnerSpec {
     Caller(CallerKeyword),
     Pid(OwnerPid),
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CallerKeyword {
     Caller,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OwnerPid {
     #[schema(minimum = 1, maximum = 2_147_483_647, example = 4242)]

@@ -25,10 +25,12 @@ pub fn router() -> OpenApiRouter<AppState> {
 }
 
 /// Exactly one of `process` or `lease`, with its current token.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OwnerRef {
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub process: Option<TokenRef>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub lease: Option<TokenRef>,
 }
 
@@ -42,7 +44,7 @@ pub enum PortOwnerSpec {
     Lease { lease: TokenRef },
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReserveRequest {
     /// Names matching `[a-z][a-z0-9_]{0,31}`.
@@ -55,7 +57,7 @@ pub struct ReserveRequest {
     pub range: Option<[u16; 2]>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct Reserved {
     /// Port by name.
     #[schema(value_type = Object)]
@@ -63,7 +65,7 @@ pub struct Reserved {
     pub reservations: Vec<PortRecord>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     /// The owner's current token.
@@ -72,7 +74,7 @@ pub struct ReleaseRequest {
     pub token: i64,
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
+#[derive(Debug, Serialize, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
@@ -84,7 +86,7 @@ pub struct ListQuery {
     pub cursor: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct PortList {
     pub items: Vec<PortRecord>,
     pub next_cursor: Option<String>,

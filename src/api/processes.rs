@@ -35,7 +35,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(get_process_logs))
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateProcessRequest {
     #[schema(
@@ -70,7 +70,7 @@ pub struct CreateProcessRequest {
 }
 
 /// What to spawn.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CommandSpec {
     /// Program and arguments; no shell is involved.
@@ -92,7 +92,7 @@ impl From<CommandSpec> for Command {
     }
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ConfirmRequest {
     #[schema(minimum = 1)]
@@ -106,7 +106,7 @@ pub struct ConfirmRequest {
     pub process_group: bool,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct HeartbeatRequest {
     #[schema(minimum = 1)]
@@ -117,7 +117,7 @@ pub struct HeartbeatRequest {
     pub ttl_ms: Option<i64>,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StopRequest {
     #[schema(minimum = 1)]
@@ -137,14 +137,14 @@ pub struct StopRequest {
     pub reason: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishState {
     Stopped,
     Failed,
 }
 
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FinishRequest {
     #[schema(minimum = 1)]
@@ -161,7 +161,7 @@ pub struct FinishRequest {
     pub exit_code: Option<i32>,
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
+#[derive(Debug, Serialize, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct ListQuery {
@@ -177,13 +177,13 @@ pub struct ListQuery {
     pub cursor: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct ProcessList {
     pub items: Vec<ProcessView>,
     pub next_cursor: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, Default, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Stream {
     #[default]
@@ -191,7 +191,7 @@ pub enum Stream {
     Stderr,
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
+#[derive(Debug, Serialize, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
 #[into_params(parameter_in = Query)]
 pub struct LogsQuery {

@@ -9,7 +9,7 @@ use crate::store::in_tx;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use utoipa::ToSchema;
 
@@ -34,7 +34,7 @@ pub struct Acquire {
 }
 
 /// The lease an acquire ended to take over.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Reclaimed {
     pub id: String,
     pub token: i64,

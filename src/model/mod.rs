@@ -205,7 +205,7 @@ pub struct LeaseFilter {
     pub before_id: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum StateFilter {
     #[default]
@@ -222,7 +222,7 @@ pub struct EventRow {
 }
 
 /// A lease as the API shows it: the record plus its owner judged now.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[schema(as = Lease)]
 pub struct LeaseView {
     #[schema(format = "uuid", example = "01937b4e-5d2a-7c4e-9a1b-2f3c4d5e6f70")]
@@ -240,18 +240,18 @@ pub struct LeaseView {
     pub owner_status_reason: Option<LivenessReason>,
     pub parent: Option<ParentRef>,
     pub ttl_ms: Option<i64>,
-    #[serde(serialize_with = "crate::time::ser::option::serialize")]
+    #[serde(with = "crate::time::ser::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub expires_at: Option<Millis>,
     /// TTL passed while the bound owner is still live.
     pub stale: bool,
-    #[serde(serialize_with = "crate::time::ser::serialize")]
+    #[serde(with = "crate::time::ser")]
     #[schema(value_type = String, format = DateTime)]
     pub acquired_at: Millis,
-    #[serde(serialize_with = "crate::time::ser::option::serialize")]
+    #[serde(with = "crate::time::ser::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub renewed_at: Option<Millis>,
-    #[serde(serialize_with = "crate::time::ser::option::serialize")]
+    #[serde(with = "crate::time::ser::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub ended_at: Option<Millis>,
     /// `released`, `ttl_expired`, `owner_dead:<reason>` or `broken:<reason>`.

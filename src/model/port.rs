@@ -1,13 +1,13 @@
 //! Port reservations.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::TokenRef;
 use crate::time::Millis;
 
 /// Who holds a port: exactly one of `process` or `lease`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct PortOwner {
     pub process: Option<TokenRef>,
     pub lease: Option<TokenRef>,
@@ -26,7 +26,7 @@ impl PortOwner {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[schema(as = PortReservation)]
 pub struct PortRecord {
     #[schema(format = "uuid")]
@@ -37,10 +37,10 @@ pub struct PortRecord {
     pub name: String,
     pub owner: PortOwner,
     pub host_id: String,
-    #[serde(serialize_with = "crate::time::ser::serialize")]
+    #[serde(with = "crate::time::ser")]
     #[schema(value_type = String, format = DateTime)]
     pub reserved_at: Millis,
-    #[serde(serialize_with = "crate::time::ser::option::serialize")]
+    #[serde(with = "crate::time::ser::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub released_at: Option<Millis>,
 }

@@ -131,7 +131,7 @@ impl ProcessRecord {
 
 /// A process as the API shows it: the record, its identity judged now, and
 /// the ports it holds.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[schema(as = Process)]
 pub struct ProcessView {
     #[schema(format = "uuid")]
@@ -159,16 +159,16 @@ pub struct ProcessView {
     #[schema(value_type = super::PortMap)]
     pub ports: std::collections::BTreeMap<String, u16>,
     pub ttl_ms: Option<i64>,
-    #[serde(serialize_with = "crate::time::ser::option::serialize")]
+    #[serde(with = "crate::time::ser::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub expires_at: Option<Millis>,
-    #[serde(serialize_with = "crate::time::ser::serialize")]
+    #[serde(with = "crate::time::ser")]
     #[schema(value_type = String, format = DateTime)]
     pub created_at: Millis,
-    #[serde(serialize_with = "crate::time::ser::option::serialize")]
+    #[serde(with = "crate::time::ser::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub started_at: Option<Millis>,
-    #[serde(serialize_with = "crate::time::ser::option::serialize")]
+    #[serde(with = "crate::time::ser::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub ended_at: Option<Millis>,
     pub end_reason: Option<String>,

@@ -1,0 +1,267 @@
+//! Where the server is and which token to show it: flags, then the
+//! environment, then the defaults (CLI.md, "Connecting").
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::error::CliError;
+use super::http::{Client, Endpoint};
+
+/// Where `holdfast serve` listens by default.
+const DEFAULT_AUTHORITY: &str = "127.0.0.1:7427";
+
+/// Flags every client command takes, before or after its name.
+#[derive(Debug, Args)]
+pub struct ConnArgs {
+    /// Server URL, plain http [env: HOLDFAST_URL] [default: http://127.0.0.1:7427,
+    /// or the address in HOLDFAST_LISTEN when that is set]
+    #[arg(long, global = true, value_name = "URL", value_parser = parse_url)]
+    pub url: Option<BaseUrl>,
+
+    /// Talk HTTP over this Unix socket instead of --url [env: HOLDFAST_SOCKET]
+    #[arg(long, global = true, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+
+    /// File holding the bearer token (wins over HOLDFAST_TOKEN, the token itself)
+    #[arg(long, global = true, value_name = "FILE", env = "HOLDFAST_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+
+    /// Print exactly what the API answered, as JSON
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// An `http://host[:port][/prefix]` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseUrl {
+    /// As given, for the `Host` header.
+    pub authority: String,
+    /// Path prefix without a trailing slash (empty for none).
+    pub prefix: String,
+}
+
+impl BaseUrl {
+    /// `host:port` to connect to (port 80 when the URL names none).
+    pub fn address(&self) -> String {
+        let has_port = self.authority.rsplit_once(':').is_some_and(|(host, port)| {
+            !port.is_empty()
+                && port.bytes().all(|b| b.is_ascii_digit())
+                && (!host.contains(':') || host.ends_with(']'))
+        });
+        if has_port {
+            self.authority.clone()
+        } else {
+            format!("{}:80", self.authority)
+        }
+    }
+}
+
+pub fn parse_url(s: &str) -> Result<BaseUrl, String> {
+    let rest = s
+        .strip_prefix("http://")
+        .ok_or_else(|| {
+            if s.starts_with("https://") {
+                format!("{s:?}: holdfast serves plain HTTP; put TLS in front of it and keep the CLI on the local side")
+            } else {
+                format!("{s:?} is not a URL like http://127.0.0.1:7427")
+            }
+        })?;
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    if authority.is_empty() || authority.contains(['@', '?', '#', ' ']) {
+        return Err(format!("{s:?} is not a URL like http://127.0.0.1:7427"));
+    }
+    Ok(BaseUrl {
+        authority: authority.to_owned(),
+        prefix: path.trim_end_matches('/').to_owned(),
+    })
+}
+
+/// What the environment says when no flag does.
+#[derive(Debug, Default)]
+pub struct Env {
+    pub url: Option<String>,
+    pub socket: Option<String>,
+    pub listen: Option<String>,
+    pub unix_socket: Option<String>,
+    pub token: Option<String>,
+}
+
+impl Env {
+    pub fn read() -> Self {
+        let var = |k| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Self {
+            url: var("HOLDFAST_URL"),
+            socket: var("HOLDFAST_SOCKET"),
+            listen: var("HOLDFAST_LISTEN"),
+            unix_socket: var("HOLDFAST_UNIX_SOCKET"),
+            token: var("HOLDFAST_TOKEN"),
+        }
+    }
+}
+
+impl ConnArgs {
+    /// A client for the server these flags and `env` name. A flag beats
+    /// any variable; `--socket` and HOLDFAST_SOCKET beat a URL of the same rank.
+    pub fn client(&self, env: &Env) -> Result<Client, CliError> {
+        let endpoint = self.endpoint(env)?;
+        let token = self.token(env)?;
+        Ok(Client::new(endpoint, token))
+    }
+
+    fn endpoint(&self, env: &Env) -> Result<Endpoint, CliError> {
+        if let Some(path) = &self.socket {
+            return Ok(Endpoint::Unix(path.clone()));
+        }
+        if let Some(url) = &self.url {
+            return Ok(Endpoint::Tcp(url.clone()));
+        }
+        if let Some(path) = &env.socket {
+            return Ok(Endpoint::Unix(path.into()));
+        }
+        if let Some(url) = &env.url {
+            let url = parse_url(url).map_err(|e| CliError::usage(format!("HOLDFAST_URL: {e}")))?;
+            return Ok(Endpoint::Tcp(url));
+        }
+        Ok(listen_endpoint(env).unwrap_or_else(|| {
+            Endpoint::Tcp(BaseUrl {
+                authority: DEFAULT_AUTHORITY.into(),
+                prefix: String::new(),
+            })
+        }))
+    }
+
+    fn token(&self, env: &Env) -> Result<Option<String>, CliError> {
+        let Some(path) = &self.token_file else {
+            return Ok(env.token.clone());
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            CliError::local(format!(
+                "cannot read the token file {}: {e}",
+                path.display()
+            ))
+        })?;
+        let token = text.trim();
+        if token.is_empty() {
+            return Err(CliError::local(format!(
+                "the token file {} is empty",
+                path.display()
+            )));
+        }
+        Ok(Some(token.to_owned()))
+    }
+}
+
+/// Where a server configured by the same environment listens: its
+/// HOLDFAST_LISTEN address (an unspecified one reached on loopback), or its
+/// HOLDFAST_UNIX_SOCKET when it listens on no TCP port.
+fn listen_endpoint(env: &Env) -> Option<Endpoint> {
+    let listen = env.listen.as_deref()?;
+    if listen.eq_ignore_ascii_case("none") {
+        return env.unix_socket.as_ref().map(|p| Endpoint::Unix(p.into()));
+    }
+    let mut addr: SocketAddr = listen.parse().ok()?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr.ip() {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        });
+    }
+    Some(Endpoint::Tcp(BaseUrl {
+        authority: addr.to_string(),
+        prefix: String::new(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn(url: Option<&str>, socket: Option<&str>) -> ConnArgs {
+        ConnArgs {
+            url: url.map(|u| parse_url(u).expect("url")),
+            socket: socket.map(PathBuf::from),
+            token_file: None,
+            json: false,
+        }
+    }
+
+    fn tcp(authority: &str) -> Endpoint {
+        Endpoint::Tcp(BaseUrl {
+            authority: authority.into(),
+            prefix: String::new(),
+        })
+    }
+
+    #[test]
+    fn urls() {
+        let u = parse_url("http://localhost:8080/hf/").expect("parses");
+        assert_eq!(
+            (u.authority.as_str(), u.prefix.as_str()),
+            ("localhost:8080", "/hf")
+        );
+        assert_eq!(u.address(), "localhost:8080");
+        assert_eq!(
+            parse_url("http://example").expect("parses").address(),
+            "example:80"
+        );
+        assert_eq!(
+            parse_url("http://[::1]").expect("parses").address(),
+            "[::1]:80"
+        );
+        assert_eq!(
+            parse_url("http://[::1]:9").expect("parses").address(),
+            "[::1]:9"
+        );
+        for bad in ["https://x", "127.0.0.1:7427", "http://", "http://u@h/"] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn flags_beat_the_environment() {
+        let env = Env {
+            url: Some("http://10.0.0.1:1".into()),
+            socket: Some("/env.sock".into()),
+            ..Env::default()
+        };
+        let e = |c: ConnArgs| c.endpoint(&env).expect("endpoint");
+        assert_eq!(e(conn(Some("http://h:2"), None)), tcp("h:2"));
+        assert_eq!(
+            e(conn(Some("http://h:2"), Some("/f.sock"))),
+            Endpoint::Unix("/f.sock".into())
+        );
+        assert_eq!(e(conn(None, None)), Endpoint::Unix("/env.sock".into()));
+        let env = Env {
+            url: Some("http://10.0.0.1:1".into()),
+            ..Env::default()
+        };
+        assert_eq!(
+            conn(None, None).endpoint(&env).expect("endpoint"),
+            tcp("10.0.0.1:1")
+        );
+    }
+
+    #[test]
+    fn listen_address_is_the_default() {
+        let at = |listen: &str| {
+            let env = Env {
+                listen: Some(listen.into()),
+                unix_socket: Some("/run/hf.sock".into()),
+                ..Env::default()
+            };
+            conn(None, None).endpoint(&env).expect("endpoint")
+        };
+        assert_eq!(at("0.0.0.0:9000"), tcp("127.0.0.1:9000"));
+        assert_eq!(at("[::]:9000"), tcp("[::1]:9000"));
+        assert_eq!(at("10.1.2.3:80"), tcp("10.1.2.3:80"));
+        assert_eq!(at("none"), Endpoint::Unix("/run/hf.sock".into()));
+        assert_eq!(
+            conn(None, None)
+                .endpoint(&Env::default())
+                .expect("endpoint"),
+            tcp("127.0.0.1:7427")
+        );
+    }
+}

@@ -1,0 +1,116 @@
+//! One error for every way a command fails: the line it prints and the
+//! exit code it ends with (CLI.md, "Exit codes").
+
+use holdfast::api::error::Problem;
+
+/// Wrong usage (clap uses the same code for its own usage errors).
+pub const EXIT_USAGE: u8 = 2;
+/// The server could not be reached, or stayed `busy`/`unavailable` (EX_UNAVAILABLE).
+pub const EXIT_UNREACHABLE: u8 = 69;
+/// The lease is held by someone else, or `run` lost it (EX_TEMPFAIL).
+pub const EXIT_CONFLICT: u8 = 75;
+
+#[derive(Debug)]
+pub struct CliError {
+    /// The API's `code`, or one of the client's own (`unreachable`, `local`, ...).
+    pub code: String,
+    pub detail: String,
+    pub exit: u8,
+    /// The problem the API answered, for callers that look into it.
+    pub problem: Option<Box<Problem>>,
+}
+
+impl CliError {
+    fn new(code: &str, detail: impl Into<String>, exit: u8) -> Self {
+        Self {
+            code: code.to_owned(),
+            detail: detail.into(),
+            exit,
+            problem: None,
+        }
+    }
+
+    pub fn unreachable(detail: impl Into<String>) -> Self {
+        Self::new("unreachable", detail, EXIT_UNREACHABLE)
+    }
+
+    /// A failure on this side: a file, an answer that does not parse.
+    pub fn local(detail: impl Into<String>) -> Self {
+        Self::new("local", detail, 1)
+    }
+
+    pub fn usage(detail: impl Into<String>) -> Self {
+        Self::new("usage", detail, EXIT_USAGE)
+    }
+
+    /// `run` lost its lease while the command ran.
+    pub fn lease_lost(detail: impl Into<String>, exit: u8) -> Self {
+        Self::new("lease_lost", detail, exit)
+    }
+
+    /// What the API answered with a non-2xx status.
+    pub fn api(status: u16, body: &[u8]) -> Self {
+        match serde_json::from_slice::<Problem>(body) {
+            Ok(problem) => {
+                let exit = match problem.code.as_str() {
+                    _ if status == 503 => EXIT_UNREACHABLE,
+                    "lease_held" => EXIT_CONFLICT,
+                    _ => 1,
+                };
+                Self {
+                    code: problem.code.as_str().to_owned(),
+                    detail: problem.detail.clone(),
+                    exit,
+                    problem: Some(Box::new(problem)),
+                }
+            }
+            Err(_) => {
+                let text = String::from_utf8_lossy(body);
+                let text = text.trim();
+                let detail = if text.is_empty() {
+                    format!("the server answered {status} without a problem body")
+                } else {
+                    format!("the server answered {status}: {}", truncate(text, 200))
+                };
+                let exit = if status == 503 { EXIT_UNREACHABLE } else { 1 };
+                Self::new(&format!("http_{status}"), detail, exit)
+            }
+        }
+    }
+
+    pub fn is(&self, code: &str) -> bool {
+        self.code == code
+    }
+
+    /// Print the one line that says what went wrong.
+    pub fn report(&self) {
+        eprintln!("holdfast: {}: {}", self.code, self.detail);
+    }
+}
+
+pub fn truncate(s: &str, max: usize) -> &str {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_problem() {
+        let held = br#"{"type":"about:blank","title":"t","status":409,"code":"lease_held","detail":"r is held by h"}"#;
+        let e = CliError::api(409, held);
+        assert_eq!((e.code.as_str(), e.exit), ("lease_held", EXIT_CONFLICT));
+        let busy =
+            br#"{"type":"about:blank","title":"t","status":503,"code":"busy","detail":"busy"}"#;
+        assert_eq!(CliError::api(503, busy).exit, EXIT_UNREACHABLE);
+        let fenced =
+            br#"{"type":"about:blank","title":"t","status":409,"code":"fenced","detail":"no"}"#;
+        assert_eq!(CliError::api(409, fenced).exit, 1);
+        let e = CliError::api(502, b"<html>bad gateway</html>");
+        assert_eq!((e.code.as_str(), e.exit), ("http_502", 1));
+    }
+}
