@@ -160,7 +160,7 @@ async fn list_events(
     get, path = "/v1/events/stream", tag = "events",
     params(
         StreamQuery,
-        ("Last-Event-ID" = Option<String>, Header, nullable = false, pattern = "^[0-9]{1,18}$", description = "Resume after this seq (the `id` of the last message read); overrides `after`"),
+        ("Last-Event-ID" = Option<String>, Header, nullable = false, pattern = "^[0-9]{0,18}$", description = "Resume after this seq (the `id` of the last message read); overrides `after`"),
     ),
     responses(
         (status = 200, description = "A Server-Sent Events stream of Event messages", body = SseMessage, content_type = "text/event-stream"),

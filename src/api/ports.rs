@@ -40,8 +40,22 @@ pub struct OwnerRef {
 #[serde(untagged)]
 #[allow(dead_code)] // documents `OwnerRef`, whose two members are checked by hand
 pub enum PortOwnerSpec {
-    Process { process: TokenRef },
-    Lease { lease: TokenRef },
+    Process(ProcessOwner),
+    Lease(LeaseOwner),
+}
+
+#[derive(Debug, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub struct ProcessOwner {
+    process: TokenRef,
+}
+
+#[derive(Debug, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub struct LeaseOwner {
+    lease: TokenRef,
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
