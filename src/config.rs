@@ -49,9 +49,9 @@ pub struct Config {
     )]
     pub allowed_hosts: Vec<String>,
 
-    /// Connections served at once (at least 1024); past it a client gets `503 busy`.
+    /// Connections served at once (1024 to 1000000); past it a client gets `503 busy`.
     #[arg(long, env = "HOLDFAST_MAX_CONNECTIONS", default_value_t = 4096,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=1_000_000))]
     pub max_connections: usize,
 
     /// Events kept: a count (`100000`) or an age (`30m`, `12h`, `7d`).
@@ -326,6 +326,18 @@ mod tests {
             parse(&["--unix-socket-mode", "0600"]).unix_socket_mode,
             0o600
         );
+    }
+
+    #[test]
+    fn max_connections_is_at_least_1024() {
+        for bad in ["0", "10", "1023", "1000001"] {
+            assert!(
+                Cli::try_parse_from(["holdfast", "--max-connections", bad]).is_err(),
+                "{bad}"
+            );
+        }
+        assert_eq!(parse(&["--max-connections", "1024"]).max_connections, 1024);
+        assert_eq!(parse(&[]).max_connections, 4096);
     }
 
     #[test]

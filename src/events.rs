@@ -3,7 +3,7 @@
 
 use serde_json::{Value, json};
 
-use crate::model::{LeaseView, PortRecord, ProcessView};
+use crate::model::{EventType, LeaseView, PortRecord, ProcessView};
 use crate::store::{Result, Tx};
 use crate::time::{Millis, rfc3339};
 
@@ -17,7 +17,7 @@ pub enum Subject<'a> {
 pub async fn append(
     tx: &mut dyn Tx,
     now: Millis,
-    kind: &str,
+    kind: EventType,
     subject: Subject<'_>,
     detail: Value,
 ) -> Result<i64> {
@@ -27,7 +27,7 @@ pub async fn append(
         Subject::Port(p) => (Value::Null, Value::Null, json!(p)),
     };
     let body = json!({
-        "at": rfc3339(now), "type": kind, "lease": lease,
+        "at": rfc3339(now), "type": kind.as_str(), "lease": lease,
         "process": process, "port": port, "detail": detail,
     });
     tx.append_event(now, body.to_string()).await

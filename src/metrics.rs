@@ -139,7 +139,7 @@ impl Metrics {
     }
 
     pub fn lease_refused(&self, e: &LeaseError) {
-        let code = crate::api::error::lease_code(e);
+        let code = crate::api::error::lease_code(e).as_str();
         self.conflicts.get_or_create(&Code { code }).inc();
     }
 

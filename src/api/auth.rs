@@ -179,7 +179,7 @@ pub struct Access {
 pub fn unauthorized() -> Response {
     let mut res = problem(
         StatusCode::UNAUTHORIZED,
-        "unauthorized",
+        super::error::Code::Unauthorized,
         "Unauthorized",
         "send Authorization: Bearer <token>",
         serde_json::Map::new(),

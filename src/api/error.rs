@@ -8,16 +8,96 @@ use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
 
 use crate::leases::{self, LeaseError};
-use crate::model::LeaseView;
+use crate::model::{LeaseView, PortRecord, ProcessView};
 use crate::ports::ops::PortError;
 use crate::processes::{self, ops::ProcError};
 use crate::store::StoreError;
 
-/// RFC 9457 problem details. Extensions depend on `code`: `field` for
-/// `validation`, `holder` for `lease_held` / `owner_remote` /
-/// `owner_unverifiable`, `current` for `fenced` / `not_reserved`, `parent`
-/// for `parent_fenced`.
+/// The stable, machine-readable `code` of a problem: clients switch on it,
+/// never on `title` or `detail`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+#[schema(as = ProblemCode)]
+pub enum Code {
+    MalformedJson,
+    Unauthorized,
+    Forbidden,
+    NotFound,
+    MethodNotAllowed,
+    EventsPruned,
+    LeaseHeld,
+    Fenced,
+    OwnerRemote,
+    OwnerUnverifiable,
+    ParentFenced,
+    NotReserved,
+    OperationInProgress,
+    ProcessAlive,
+    IdentityMismatch,
+    RemoteProcess,
+    ProcessTreeNotSettled,
+    PortsExhausted,
+    PayloadTooLarge,
+    HeadersTooLarge,
+    UnsupportedMediaType,
+    Validation,
+    ProcessNotFound,
+    Busy,
+    Unavailable,
+    Internal,
+}
+
+impl Code {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::MalformedJson => "malformed_json",
+            Self::Unauthorized => "unauthorized",
+            Self::Forbidden => "forbidden",
+            Self::NotFound => "not_found",
+            Self::MethodNotAllowed => "method_not_allowed",
+            Self::EventsPruned => "events_pruned",
+            Self::LeaseHeld => "lease_held",
+            Self::Fenced => "fenced",
+            Self::OwnerRemote => "owner_remote",
+            Self::OwnerUnverifiable => "owner_unverifiable",
+            Self::ParentFenced => "parent_fenced",
+            Self::NotReserved => "not_reserved",
+            Self::OperationInProgress => "operation_in_progress",
+            Self::ProcessAlive => "process_alive",
+            Self::IdentityMismatch => "identity_mismatch",
+            Self::RemoteProcess => "remote_process",
+            Self::ProcessTreeNotSettled => "process_tree_not_settled",
+            Self::PortsExhausted => "ports_exhausted",
+            Self::PayloadTooLarge => "payload_too_large",
+            Self::HeadersTooLarge => "headers_too_large",
+            Self::UnsupportedMediaType => "unsupported_media_type",
+            Self::Validation => "validation",
+            Self::ProcessNotFound => "process_not_found",
+            Self::Busy => "busy",
+            Self::Unavailable => "unavailable",
+            Self::Internal => "internal",
+        }
+    }
+}
+
+/// The record a `fenced` (or similar) problem shows as it is now.
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code, clippy::large_enum_variant)] // documents `Problem.current`, which is built as JSON
+pub enum CurrentRecord {
+    Lease(LeaseView),
+    Process(ProcessView),
+    PortReservation(PortRecord),
+}
+
+/// RFC 9457 problem details. Extensions depend on `code`: `field` for
+/// `validation` and `process_not_found`, `holder` for `lease_held` /
+/// `owner_remote` / `owner_unverifiable`, `current` for `fenced`,
+/// `not_reserved`, `process_alive`, `identity_mismatch`, `remote_process`
+/// and `process_tree_not_settled`, `parent` for `parent_fenced`, `process`
+/// for `operation_in_progress`, `oldest_seq` for `events_pruned`.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+#[allow(dead_code)] // documents the body, which `problem()` builds as JSON
 pub struct Problem {
     #[serde(rename = "type")]
     #[schema(example = "about:blank")]
@@ -26,31 +106,32 @@ pub struct Problem {
     pub title: String,
     #[schema(example = 409)]
     pub status: u16,
-    /// Stable, machine-readable error code.
-    #[schema(example = "lease_held")]
-    pub code: String,
+    pub code: Code,
     pub detail: String,
-    /// Dotted path of the offending member (`validation` only).
+    /// Dotted path of the offending member or parameter (`validation`, `process_not_found`).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    #[schema(example = "ttl_ms")]
     pub field: Option<String>,
+    /// The current lease that refused the acquire.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<LeaseView>)]
-    pub holder: Option<Value>,
-    /// The record as it is now (`fenced`, `not_reserved`, `process_alive`,
-    /// `identity_mismatch`, ...): a Lease, a Process or a PortReservation.
+    #[schema(nullable = false)]
+    pub holder: Option<LeaseView>,
+    /// The record as it is now: a Lease, a Process, or (for a port's owner) either.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<Object>)]
-    pub current: Option<Value>,
+    #[schema(nullable = false)]
+    pub current: Option<CurrentRecord>,
+    /// The parent (or owning) lease as it is now; null when it does not exist.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<LeaseView>)]
-    pub parent: Option<Value>,
+    pub parent: Option<LeaseView>,
     /// The oldest seq still kept (`events_pruned`).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub oldest_seq: Option<i64>,
     /// The process that holds the operation id (`operation_in_progress`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<crate::model::ProcessView>)]
-    pub process: Option<Value>,
+    #[schema(nullable = false)]
+    pub process: Option<ProcessView>,
 }
 
 #[derive(Debug)]
@@ -86,15 +167,15 @@ impl ApiError {
 }
 
 /// The contract's code for a lease refusal.
-pub fn lease_code(e: &LeaseError) -> &'static str {
+pub fn lease_code(e: &LeaseError) -> Code {
     match e {
-        LeaseError::NotFound => "not_found",
-        LeaseError::Held(_) => "lease_held",
-        LeaseError::OwnerRemote(_) => "owner_remote",
-        LeaseError::OwnerUnverifiable(_) => "owner_unverifiable",
-        LeaseError::ParentFenced(_) => "parent_fenced",
-        LeaseError::Fenced(_) => "fenced",
-        LeaseError::NotReserved(_) => "not_reserved",
+        LeaseError::NotFound => Code::NotFound,
+        LeaseError::Held(_) => Code::LeaseHeld,
+        LeaseError::OwnerRemote(_) => Code::OwnerRemote,
+        LeaseError::OwnerUnverifiable(_) => Code::OwnerUnverifiable,
+        LeaseError::ParentFenced(_) => Code::ParentFenced,
+        LeaseError::Fenced(_) => Code::Fenced,
+        LeaseError::NotReserved(_) => Code::NotReserved,
     }
 }
 
@@ -124,18 +205,18 @@ impl From<processes::Error> for ApiError {
 }
 
 /// The contract's code for a process refusal.
-pub fn proc_code(e: &ProcError) -> &'static str {
+pub fn proc_code(e: &ProcError) -> Code {
     match e {
-        ProcError::NotFound => "not_found",
-        ProcError::Fenced(_) => "fenced",
-        ProcError::OperationInProgress(_) => "operation_in_progress",
-        ProcError::LeaseFenced(_) => "parent_fenced",
-        ProcError::ProcessAlive(_) => "process_alive",
-        ProcError::RemoteProcess(_) => "remote_process",
-        ProcError::Forbidden(_) => "forbidden",
-        ProcError::PortsExhausted => "ports_exhausted",
-        ProcError::IdentityMismatch(_) => "identity_mismatch",
-        ProcError::NotSettled(_) => "process_tree_not_settled",
+        ProcError::NotFound => Code::NotFound,
+        ProcError::Fenced(_) => Code::Fenced,
+        ProcError::OperationInProgress(_) => Code::OperationInProgress,
+        ProcError::LeaseFenced(_) => Code::ParentFenced,
+        ProcError::ProcessAlive(_) => Code::ProcessAlive,
+        ProcError::RemoteProcess(_) => Code::RemoteProcess,
+        ProcError::Forbidden(_) => Code::Forbidden,
+        ProcError::PortsExhausted => Code::PortsExhausted,
+        ProcError::IdentityMismatch(_) => Code::IdentityMismatch,
+        ProcError::NotSettled(_) => Code::ProcessTreeNotSettled,
     }
 }
 
@@ -226,7 +307,7 @@ fn port_problem(e: PortError) -> Response {
         }
         PortError::Exhausted => problem(
             StatusCode::CONFLICT,
-            "ports_exhausted",
+            Code::PortsExhausted,
             "Ports exhausted",
             "no free port could be reserved in the range",
             Map::new(),
@@ -236,7 +317,7 @@ fn port_problem(e: PortError) -> Response {
             ext.insert("current".into(), *current);
             problem(
                 StatusCode::CONFLICT,
-                "fenced",
+                Code::Fenced,
                 "Fenced",
                 "the token is not the owner's current one",
                 ext,
@@ -273,34 +354,34 @@ impl IntoResponse for ApiError {
         let (status, code, title, detail) = match self {
             Self::MalformedJson(d) => (
                 StatusCode::BAD_REQUEST,
-                "malformed_json",
+                Code::MalformedJson,
                 "Malformed JSON",
                 d,
             ),
             Self::Unauthorized => return super::auth::unauthorized(),
-            Self::Forbidden(d) => (StatusCode::FORBIDDEN, "forbidden", "Forbidden", d),
-            Self::NotFound(d) => (StatusCode::NOT_FOUND, "not_found", "Not found", d),
+            Self::Forbidden(d) => (StatusCode::FORBIDDEN, Code::Forbidden, "Forbidden", d),
+            Self::NotFound(d) => (StatusCode::NOT_FOUND, Code::NotFound, "Not found", d),
             Self::PayloadTooLarge => (
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "payload_too_large",
+                Code::PayloadTooLarge,
                 "Payload too large",
                 "the request body is over the limit".into(),
             ),
             Self::HeadersTooLarge => (
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                "headers_too_large",
+                Code::HeadersTooLarge,
                 "Request headers too large",
                 "the request line and headers are over 16 KiB".into(),
             ),
             Self::UnsupportedMediaType => (
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
+                Code::UnsupportedMediaType,
                 "Unsupported media type",
                 "send the body as application/json".into(),
             ),
             Self::MethodNotAllowed => (
                 StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
+                Code::MethodNotAllowed,
                 "Method not allowed",
                 "this path does not take that method".into(),
             ),
@@ -308,7 +389,7 @@ impl IntoResponse for ApiError {
                 ext.insert("field".into(), json!(field));
                 (
                     StatusCode::UNPROCESSABLE_ENTITY,
-                    "validation",
+                    Code::Validation,
                     "Invalid request",
                     detail,
                 )
@@ -317,20 +398,20 @@ impl IntoResponse for ApiError {
                 ext.insert("field".into(), json!(field));
                 (
                     StatusCode::UNPROCESSABLE_ENTITY,
-                    "process_not_found",
+                    Code::ProcessNotFound,
                     "Process not found",
                     format!("no live process with pid {pid} on this host"),
                 )
             }
             Self::IdentityMismatch(d) => (
                 StatusCode::CONFLICT,
-                "identity_mismatch",
+                Code::IdentityMismatch,
                 "Identity mismatch",
                 d,
             ),
             Self::OwnerUnverifiable(d) => (
                 StatusCode::CONFLICT,
-                "owner_unverifiable",
+                Code::OwnerUnverifiable,
                 "Owner cannot be verified",
                 d,
             ),
@@ -379,7 +460,7 @@ impl IntoResponse for ApiError {
                 ext.insert("oldest_seq".into(), json!(oldest_seq));
                 (
                     StatusCode::GONE,
-                    "events_pruned",
+                    Code::EventsPruned,
                     "Events pruned",
                     format!("events before seq {oldest_seq} were removed by retention"),
                 )
@@ -388,7 +469,7 @@ impl IntoResponse for ApiError {
             Self::Port(e) => return port_problem(e),
             Self::Busy => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "busy",
+                Code::Busy,
                 "Busy",
                 "the store is busy; retry after the given delay".into(),
             ),
@@ -396,7 +477,7 @@ impl IntoResponse for ApiError {
                 tracing::error!(error = %d, "store unavailable");
                 (
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "unavailable",
+                    Code::Unavailable,
                     "Store unavailable",
                     "the store cannot be written".into(),
                 )
@@ -405,7 +486,7 @@ impl IntoResponse for ApiError {
                 tracing::error!(error = %d, "internal error");
                 (
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
+                    Code::Internal,
                     "Internal error",
                     "an internal error occurred; it has been logged".into(),
                 )
@@ -417,7 +498,7 @@ impl IntoResponse for ApiError {
 
 pub fn problem(
     status: StatusCode,
-    code: &str,
+    code: Code,
     title: &str,
     detail: &str,
     ext: Map<String, Value>,
@@ -426,7 +507,7 @@ pub fn problem(
     body.insert("type".into(), json!("about:blank"));
     body.insert("title".into(), json!(title));
     body.insert("status".into(), json!(status.as_u16()));
-    body.insert("code".into(), json!(code));
+    body.insert("code".into(), json!(code.as_str()));
     body.insert("detail".into(), json!(detail));
     body.extend(ext);
     let mut res = (status, Value::Object(body).to_string()).into_response();

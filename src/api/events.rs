@@ -15,10 +15,12 @@ use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::Params;
 use super::validate;
-use crate::model::{EventRow, LeaseView};
+use crate::model::{EventRow, EventType, LeaseView, PortRecord, ProcessView};
 
 pub fn router() -> OpenApiRouter<AppState> {
-    OpenApiRouter::new().routes(routes!(list_events))
+    OpenApiRouter::new()
+        .routes(routes!(list_events))
+        .routes(routes!(stream_events))
 }
 
 #[derive(Debug, Serialize, Deserialize, IntoParams)]
@@ -37,24 +39,45 @@ pub struct EventsQuery {
     pub wait_ms: Option<i64>,
 }
 
-/// One state change, with the whole record as it is after the change.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct StreamQuery {
+    /// Stream events with `seq` greater than this (default 0); `Last-Event-ID` overrides it.
+    #[param(minimum = 0)]
+    pub after: Option<i64>,
+}
+
+/// One state change, with the whole record as it is after the change:
+/// exactly one of `lease`, `process` and `port` is set.
 #[derive(Debug, ToSchema)]
 #[allow(dead_code)] // documents the stored JSON; the server never builds one
 pub struct Event {
+    #[schema(minimum = 1, example = 981)]
     pub seq: i64,
     #[schema(format = DateTime)]
     pub at: String,
-    /// `lease.acquired`, `lease.activated`, `lease.released`, `lease.expired`,
-    /// `lease.reclaimed`, `lease.broken`, ...
     #[schema(rename = "type")]
-    pub kind: String,
+    pub kind: EventType,
     pub lease: Option<LeaseView>,
-    #[schema(value_type = Option<Object>)]
-    pub process: Option<()>,
-    #[schema(value_type = Option<Object>)]
-    pub port: Option<()>,
-    #[schema(value_type = Option<Object>)]
+    pub process: Option<ProcessView>,
+    pub port: Option<PortRecord>,
+    /// What else is known about the change (`{"reason": ..., "by": ...}` for
+    /// a break, `{"reclaimed": ...}` for a takeover, ...); null when nothing.
+    #[schema(value_type = Option<HashMap<String, Value>>)]
     pub detail: Option<()>,
+}
+
+/// One Server-Sent Events message: `data` is an Event as JSON, or, with
+/// `event: error`, a problem (`events_pruned`, `unavailable`) that ends the stream.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)] // documents the stream, which axum's Sse writes
+pub struct SseMessage {
+    /// The event's `seq`.
+    pub id: Option<String>,
+    /// The event's `type`, or `error`.
+    pub event: String,
+    pub data: String,
 }
 
 #[derive(Debug, ToSchema)]
@@ -63,17 +86,15 @@ pub struct EventList {
     pub items: Vec<Event>,
 }
 
-/// Events after `after`, oldest first; with `wait_ms`, a long poll; with
-/// `Accept: text/event-stream`, a Server-Sent Events stream.
+/// List events after `after`, oldest first; with `wait_ms`, a long poll.
+///
+/// The same path streams them as Server-Sent Events when the request has
+/// `Accept: text/event-stream` (see `stream_events`, which always streams).
 #[utoipa::path(
     get, path = "/v1/events", tag = "events",
-    params(
-        EventsQuery,
-        ("Last-Event-ID" = Option<i64>, Header, description = "SSE: resume after this seq (overrides `after`)"),
-    ),
+    params(EventsQuery),
     responses(
-        (status = 200, description = "Events, oldest first (or an SSE stream with `Accept: text/event-stream`)",
-         content((EventList = "application/json"), (String = "text/event-stream"))),
+        (status = 200, description = "Events, oldest first; empty `items` when a wait ran out", body = EventList),
         (status = 410, description = "`events_pruned`: `after` is older than what retention kept; body has `oldest_seq`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "`busy`: too many waiting requests", body = Problem, content_type = "application/problem+json"),
@@ -84,7 +105,7 @@ async fn list_events(
     headers: HeaderMap,
     Params(q): Params<EventsQuery>,
 ) -> Result<Response, ApiError> {
-    let mut after = q.after.unwrap_or(0);
+    let after = q.after.unwrap_or(0);
     validate::in_range("after", after, 0..=i64::MAX)?;
     let limit = q.limit.unwrap_or(super::paging::DEFAULT_LIMIT);
     validate::in_range("limit", limit, 1..=super::paging::MAX_LIMIT)?;
@@ -95,21 +116,10 @@ async fn list_events(
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/event-stream"));
-    if sse && let Some(last) = headers.get("last-event-id").and_then(|v| v.to_str().ok()) {
-        after = last.trim().parse().map_err(|_| {
-            ApiError::validation("Last-Event-ID", "Last-Event-ID must be an event seq")
-        })?;
+    if sse {
+        return open_stream(state, &headers, after);
     }
     check_not_pruned(&state, after)?;
-    if sse {
-        let permit = state
-            .hub
-            .waiting
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| ApiError::Busy)?;
-        return Ok(stream(state, after, permit).into_response());
-    }
     // Subscribe before reading, so an event committed in between still wakes us.
     let mut newest = state.hub.subscribe_events();
     let mut rows = read_events(&state, after, limit).await?;
@@ -138,6 +148,57 @@ async fn list_events(
     }
     out.push_str("]}");
     Ok(([(header::CONTENT_TYPE, "application/json")], out).into_response())
+}
+
+/// Stream events as Server-Sent Events, from `after` or `Last-Event-ID`.
+///
+/// Each message has `id: <seq>`, `event: <type>` and `data: <the Event JSON>`;
+/// an idle stream gets a comment line at least every 15 s. A reader that
+/// falls behind retention gets an `error` event (`events_pruned`) and the
+/// stream ends. `GET /v1/events` with `Accept: text/event-stream` is the same stream.
+#[utoipa::path(
+    get, path = "/v1/events/stream", tag = "events",
+    params(
+        StreamQuery,
+        ("Last-Event-ID" = Option<String>, Header, description = "Resume after this seq (the `id` of the last message read); overrides `after`"),
+    ),
+    responses(
+        (status = 200, description = "A Server-Sent Events stream of Event messages", body = SseMessage, content_type = "text/event-stream"),
+        (status = 410, description = "`events_pruned`: `after` is older than what retention kept; body has `oldest_seq`", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "`busy`: too many open streams and waiting requests", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+async fn stream_events(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Params(q): Params<StreamQuery>,
+) -> Result<Response, ApiError> {
+    let after = q.after.unwrap_or(0);
+    validate::in_range("after", after, 0..=i64::MAX)?;
+    open_stream(state, &headers, after)
+}
+
+fn open_stream(state: AppState, headers: &HeaderMap, mut after: i64) -> Result<Response, ApiError> {
+    // An empty Last-Event-ID is none, as for a browser's EventSource.
+    if let Some(last) = headers.get("last-event-id").filter(|v| !v.is_empty()) {
+        after = last
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|seq| *seq >= 0)
+            .ok_or_else(|| {
+                ApiError::validation("Last-Event-ID", "Last-Event-ID must be an event seq")
+            })?;
+    }
+    check_not_pruned(&state, after)?;
+    let permit = state
+        .hub
+        .waiting
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ApiError::Busy)?;
+    Ok(stream(state, after, permit).into_response())
 }
 
 /// Stored bodies are JSON objects without their seq: splice it in rather

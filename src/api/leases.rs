@@ -24,11 +24,11 @@ use crate::model::{LeaseFilter, LeaseView, StateFilter};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(acquire, list))
+        .routes(routes!(acquire_lease, list_leases))
         .routes(routes!(get_lease))
-        .routes(routes!(renew))
-        .routes(routes!(activate))
-        .routes(routes!(release))
+        .routes(routes!(renew_lease))
+        .routes(routes!(activate_lease))
+        .routes(routes!(release_lease))
         .routes(routes!(break_lease))
 }
 
@@ -37,6 +37,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 #[serde(deny_unknown_fields)]
 pub struct ParentSpec {
     pub id: String,
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
 }
 
@@ -44,12 +45,23 @@ pub struct ParentSpec {
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     /// 1..=512 bytes of UTF-8 without control characters.
-    #[schema(example = "workspace/alpha")]
+    #[schema(
+        example = "workspace/alpha",
+        min_length = 1,
+        max_length = 512,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub resource: String,
-    #[schema(example = "supervisor-1")]
+    #[schema(
+        example = "supervisor-1",
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub holder: String,
     /// 1000..=86400000; required unless `owner` is given.
     #[schema(minimum = 1000, maximum = 86_400_000, example = 30000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub ttl_ms: Option<i64>,
     pub owner: Option<OwnerSpec>,
     pub parent: Option<ParentSpec>,
@@ -58,8 +70,9 @@ pub struct AcquireRequest {
     pub reserve: bool,
     /// Wait up to this long (0..=60000) for a held lease to end.
     #[schema(minimum = 0, maximum = 60000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub wait_ms: Option<i64>,
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<crate::model::Metadata>)]
     pub metadata: Option<Map<String, Value>>,
 }
 
@@ -69,6 +82,7 @@ pub struct AcquireResponse {
     #[serde(flatten)]
     pub lease: LeaseView,
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub reclaimed: Option<Reclaimed>,
 }
 
@@ -76,9 +90,11 @@ pub struct AcquireResponse {
 #[serde(deny_unknown_fields)]
 pub struct RenewRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     /// New TTL; defaults to the lease's current one.
     #[schema(minimum = 1000, maximum = 86_400_000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub ttl_ms: Option<i64>,
 }
 
@@ -86,6 +102,7 @@ pub struct RenewRequest {
 #[serde(deny_unknown_fields)]
 pub struct ActivateRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     /// The process the active lease is bound to; keeps the reserved one's owner when absent.
     pub owner: Option<OwnerSpec>,
@@ -95,6 +112,7 @@ pub struct ActivateRequest {
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
 }
 
@@ -102,6 +120,11 @@ pub struct ReleaseRequest {
 #[serde(deny_unknown_fields)]
 pub struct BreakRequest {
     /// Why the lease is broken; recorded as `broken:<reason>`.
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub reason: String,
 }
 
@@ -122,6 +145,7 @@ pub struct ListQuery {
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
     /// `next_cursor` of the previous page.
+    #[param(format = "uuid")]
     pub cursor: Option<String>,
 }
 
@@ -152,7 +176,7 @@ fn view(state: &AppState, rec: crate::model::LeaseRecord) -> LeaseView {
         (status = 503, description = "`busy` or `unavailable`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn acquire(
+async fn acquire_lease(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Body(req): Body<AcquireRequest>,
@@ -210,7 +234,7 @@ async fn acquire(
 /// Get one lease, current or ended.
 #[utoipa::path(
     get, path = "/v1/leases/{id}", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     responses(
         (status = 200, description = "The lease, its owner judged now", body = LeaseView),
         (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
@@ -228,7 +252,6 @@ async fn get_lease(
 
 /// List leases, newest first.
 #[utoipa::path(
-    operation_id = "list_leases",
     get, path = "/v1/leases", tag = "leases",
     params(ListQuery),
     responses(
@@ -236,7 +259,7 @@ async fn get_lease(
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn list(
+async fn list_leases(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<LeaseList>, ApiError> {
@@ -259,7 +282,7 @@ async fn list(
 /// Renew a lease: a new `expires_at` from now.
 #[utoipa::path(
     post, path = "/v1/leases/{id}/renew", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     request_body = RenewRequest,
     responses(
         (status = 200, description = "Renewed", body = LeaseView),
@@ -268,7 +291,7 @@ async fn list(
         (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn renew(
+async fn renew_lease(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Body(req): Body<RenewRequest>,
@@ -284,7 +307,7 @@ async fn renew(
 /// Activate a reserved lease, binding it to its owner; the token stays.
 #[utoipa::path(
     post, path = "/v1/leases/{id}/activate", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     request_body = ActivateRequest,
     responses(
         (status = 200, description = "Active", body = LeaseView),
@@ -293,7 +316,7 @@ async fn renew(
         (status = 422, description = "`validation` or `process_not_found`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn activate(
+async fn activate_lease(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
@@ -310,9 +333,8 @@ async fn activate(
 
 /// Release a lease. Releasing it again with the same token answers 200 again.
 #[utoipa::path(
-    operation_id = "release_lease",
     post, path = "/v1/leases/{id}/release", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     request_body = ReleaseRequest,
     responses(
         (status = 200, description = "Released", body = LeaseView),
@@ -321,7 +343,7 @@ async fn activate(
         (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn release(
+async fn release_lease(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Body(req): Body<ReleaseRequest>,
@@ -334,7 +356,7 @@ async fn release(
 /// Break a current lease whatever its owner's status (admin only).
 #[utoipa::path(
     post, path = "/v1/leases/{id}/break", tag = "leases",
-    params(("id" = String, Path, description = "Lease id")),
+    params(("id" = String, Path, format = "uuid", description = "Lease id")),
     request_body = BreakRequest,
     responses(
         (status = 200, description = "Broken", body = LeaseView),

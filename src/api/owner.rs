@@ -26,7 +26,8 @@ pub enum CallerKeyword {
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OwnerPid {
-    #[schema(minimum = 1, example = 4242)]
+    #[schema(minimum = 1, maximum = 2_147_483_647, example = 4242)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub pid: i64,
     /// The start time the client saw; the request fails with
     /// `identity_mismatch` if the server reads another.

@@ -20,25 +20,38 @@ use crate::model::{PortOwner, PortRecord, TokenRef};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(reserve, list))
-        .routes(routes!(release))
+        .routes(routes!(reserve_ports, list_ports))
+        .routes(routes!(release_port))
 }
 
 /// Exactly one of `process` or `lease`, with its current token.
-#[derive(Debug, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OwnerRef {
     pub process: Option<TokenRef>,
     pub lease: Option<TokenRef>,
 }
 
+/// The owner of new reservations: exactly one of `process` or `lease`,
+/// with its current token.
+#[derive(Debug, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)] // documents `OwnerRef`, whose two members are checked by hand
+pub enum PortOwnerSpec {
+    Process { process: TokenRef },
+    Lease { lease: TokenRef },
+}
+
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReserveRequest {
     /// Names matching `[a-z][a-z0-9_]{0,31}`.
+    #[schema(value_type = Vec<crate::model::PortName>, min_items = 1, max_items = 64)]
     pub names: Vec<String>,
+    #[schema(value_type = PortOwnerSpec)]
     pub owner: OwnerRef,
-    /// Inclusive `[low, high]` within 1024..=65535; default `[20000, 29999]`.
+    /// Inclusive `[low, high]` within 1024..=65535, low first; default `[20000, 29999]`.
+    #[schema(value_type = Option<crate::model::PortRange>)]
     pub range: Option<[u16; 2]>,
 }
 
@@ -55,6 +68,7 @@ pub struct Reserved {
 pub struct ReleaseRequest {
     /// The owner's current token.
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
 }
 
@@ -64,6 +78,9 @@ pub struct ReleaseRequest {
 pub struct ListQuery {
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
+    #[param(
+        pattern = "^(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})$"
+    )]
     pub cursor: Option<String>,
 }
 
@@ -78,13 +95,13 @@ pub struct PortList {
     post, path = "/v1/ports", tag = "ports",
     request_body = ReserveRequest,
     responses(
-        (status = 201, body = Reserved),
+        (status = 201, description = "Reserved: the ports by name and their reservations", body = Reserved),
         (status = 404, description = "No such owner", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced` or `ports_exhausted`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "Invalid request", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn reserve(
+async fn reserve_ports(
     State(state): State<AppState>,
     Body(req): Body<ReserveRequest>,
 ) -> Result<impl IntoResponse, ApiError> {
@@ -156,12 +173,11 @@ async fn reserve(
 
 /// Current reservations, lowest port first.
 #[utoipa::path(
-    operation_id = "list_ports",
     get, path = "/v1/ports", tag = "ports",
     params(ListQuery),
-    responses((status = 200, body = PortList))
+    responses((status = 200, description = "A page of current reservations", body = PortList))
 )]
-async fn list(
+async fn list_ports(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<PortList>, ApiError> {
@@ -181,17 +197,16 @@ async fn list(
 
 /// Release a reservation with its owner's token.
 #[utoipa::path(
-    operation_id = "release_port",
     post, path = "/v1/ports/{port}/release", tag = "ports",
     params(("port" = u16, Path, description = "The reserved port")),
     request_body = ReleaseRequest,
     responses(
-        (status = 200, body = PortRecord),
+        (status = 200, description = "Released: the reservation, ended", body = PortRecord),
         (status = 404, description = "No current reservation of that port", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn release(
+async fn release_port(
     State(state): State<AppState>,
     Path(port): Path<String>,
     Body(req): Body<ReleaseRequest>,

@@ -1,5 +1,6 @@
 //! `/v1/processes`: parse, validate, call `Processes`, map the result.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use axum::Json;
@@ -25,21 +26,31 @@ use crate::processes::{CreateRequest, DEFAULT_GRACE};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(create, list))
+        .routes(routes!(create_process, list_processes))
         .routes(routes!(get_process))
-        .routes(routes!(confirm))
-        .routes(routes!(heartbeat))
-        .routes(routes!(stop))
-        .routes(routes!(finish))
-        .routes(routes!(logs))
+        .routes(routes!(confirm_process))
+        .routes(routes!(heartbeat_process))
+        .routes(routes!(stop_process))
+        .routes(routes!(finish_process))
+        .routes(routes!(get_process_logs))
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateProcessRequest {
-    #[schema(example = "dev-server")]
+    #[schema(
+        example = "dev-server",
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub kind: String,
     /// At most one current process per operation id.
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub operation_id: Option<String>,
     /// The owning lease; it must be current.
     pub lease: Option<TokenRef>,
@@ -47,21 +58,48 @@ pub struct CreateProcessRequest {
     pub owner: Option<OwnerSpec>,
     /// Heartbeat TTL, 1000..=86400000.
     #[schema(minimum = 1000, maximum = 86_400_000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub ttl_ms: Option<i64>,
     /// Spawn this command; without it the record is registered as `starting`.
-    pub command: Option<Command>,
+    pub command: Option<CommandSpec>,
     /// Port names to reserve; a spawned child gets `PORT_<NAME>` (and `PORT` for the first).
+    #[schema(value_type = Option<Vec<crate::model::PortName>>)]
     pub ports: Option<Vec<String>>,
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<crate::model::Metadata>)]
     pub metadata: Option<Map<String, Value>>,
+}
+
+/// What to spawn.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CommandSpec {
+    /// Program and arguments; no shell is involved.
+    #[schema(example = json!(["npm", "run", "dev"]))]
+    pub argv: Vec<String>,
+    /// Working directory; the server's own when absent.
+    pub cwd: Option<String>,
+    /// Added to the server's environment (without its `HOLDFAST_*` variables).
+    pub env: Option<BTreeMap<String, String>>,
+}
+
+impl From<CommandSpec> for Command {
+    fn from(c: CommandSpec) -> Self {
+        Command {
+            argv: c.argv,
+            cwd: c.cwd,
+            env: c.env.unwrap_or_default(),
+        }
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ConfirmRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
-    #[schema(minimum = 1)]
+    #[schema(minimum = 1, maximum = 2_147_483_647)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub pid: i64,
     /// The process leads its own process group, which stop then signals.
     #[serde(default)]
@@ -72,8 +110,10 @@ pub struct ConfirmRequest {
 #[serde(deny_unknown_fields)]
 pub struct HeartbeatRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     #[schema(minimum = 1000, maximum = 86_400_000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub ttl_ms: Option<i64>,
 }
 
@@ -81,12 +121,19 @@ pub struct HeartbeatRequest {
 #[serde(deny_unknown_fields)]
 pub struct StopRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     /// How long to wait after SIGTERM (default 5000, at most 600000).
     #[schema(minimum = 0, maximum = 600_000)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_i64")]
     pub grace_ms: Option<i64>,
     /// SIGKILL after the grace period (default true).
     pub force: Option<bool>,
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub reason: Option<String>,
 }
 
@@ -101,9 +148,16 @@ pub enum FinishState {
 #[serde(deny_unknown_fields)]
 pub struct FinishRequest {
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     pub state: FinishState,
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
+    )]
     pub reason: Option<String>,
+    #[serde(default, deserialize_with = "crate::model::int::opt_i32")]
     pub exit_code: Option<i32>,
 }
 
@@ -119,6 +173,7 @@ pub struct ListQuery {
     pub lease: Option<String>,
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
+    #[param(format = "uuid")]
     pub cursor: Option<String>,
 }
 
@@ -170,7 +225,7 @@ fn process_id(id: &str) -> Result<String, ApiError> {
         (status = 503, description = "`busy` or `unavailable`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn create(
+async fn create_process(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Body(req): Body<CreateProcessRequest>,
@@ -187,7 +242,8 @@ async fn create(
         validate::id("lease", &l.id)
             .map_err(|_| ApiError::validation("lease.id", "lease.id must be a lease id (UUID)"))?;
     }
-    if let Some(cmd) = &req.command {
+    let command = req.command.map(Command::from);
+    if let Some(cmd) = &command {
         validate::command(cmd)?;
     }
     let ports = req.ports.unwrap_or_default();
@@ -217,7 +273,7 @@ async fn create(
         owner,
         ttl_ms: req.ttl_ms,
         metadata,
-        command: req.command,
+        command,
         ports,
     };
     let view = state
@@ -235,9 +291,9 @@ async fn create(
 /// Get one process, its identity judged now.
 #[utoipa::path(
     get, path = "/v1/processes/{id}", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     responses(
-        (status = 200, body = ProcessView),
+        (status = 200, description = "The process, its identity judged now", body = ProcessView),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -253,15 +309,14 @@ async fn get_process(
 
 /// List processes, newest first.
 #[utoipa::path(
-    operation_id = "list_processes",
     get, path = "/v1/processes", tag = "processes",
     params(ListQuery),
     responses(
-        (status = 200, body = ProcessList),
+        (status = 200, description = "A page of processes", body = ProcessList),
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn list(
+async fn list_processes(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<ProcessList>, ApiError> {
@@ -286,17 +341,17 @@ async fn list(
 /// Confirm a registered process: `starting` becomes `running` with the identity read now.
 #[utoipa::path(
     post, path = "/v1/processes/{id}/confirm", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     request_body = ConfirmRequest,
     responses(
-        (status = 200, body = ProcessView),
+        (status = 200, description = "Confirmed: `running`, with the identity read now", body = ProcessView),
         (status = 403, description = "pid 1, the server itself, its group or session", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "`process_not_found` or `validation`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn confirm(
+async fn confirm_process(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
@@ -319,15 +374,15 @@ async fn confirm(
 /// Keep a process alive: a new `expires_at`.
 #[utoipa::path(
     post, path = "/v1/processes/{id}/heartbeat", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     request_body = HeartbeatRequest,
     responses(
-        (status = 200, body = ProcessView),
+        (status = 200, description = "Heartbeat recorded: a new `expires_at`", body = ProcessView),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn heartbeat(
+async fn heartbeat_process(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Body(req): Body<HeartbeatRequest>,
@@ -345,7 +400,7 @@ async fn heartbeat(
 /// Stop a process and its group: SIGTERM, grace, SIGKILL when forced.
 #[utoipa::path(
     post, path = "/v1/processes/{id}/stop", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     request_body = StopRequest,
     responses(
         (status = 200, description = "Stopped (or already ended, as it is)", body = ProcessView),
@@ -354,7 +409,7 @@ async fn heartbeat(
         (status = 409, description = "`fenced`, `identity_mismatch`, `remote_process`, `process_tree_not_settled`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn stop(
+async fn stop_process(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
@@ -383,15 +438,15 @@ async fn stop(
 /// Report how a process the client ran itself ended.
 #[utoipa::path(
     post, path = "/v1/processes/{id}/finish", tag = "processes",
-    params(("id" = String, Path, description = "Process id")),
+    params(("id" = String, Path, format = "uuid", description = "Process id")),
     request_body = FinishRequest,
     responses(
-        (status = 200, body = ProcessView),
+        (status = 200, description = "Finished: the process ended as reported (or as it is, when it already had)", body = ProcessView),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "`fenced` or `process_alive`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn finish(
+async fn finish_process(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Body(req): Body<FinishRequest>,
@@ -416,7 +471,7 @@ async fn finish(
 /// Raw output of a spawned process, from `offset`, with `X-Next-Offset`.
 #[utoipa::path(
     get, path = "/v1/processes/{id}/logs", tag = "processes",
-    params(("id" = String, Path, description = "Process id"), LogsQuery),
+    params(("id" = String, Path, format = "uuid", description = "Process id"), LogsQuery),
     responses(
         (status = 200, description = "Raw bytes", body = String, content_type = "text/plain",
          headers(("X-Next-Offset" = u64, description = "Offset to ask for next"))),
@@ -424,7 +479,7 @@ async fn finish(
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn logs(
+async fn get_process_logs(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Params(q): Params<LogsQuery>,

@@ -14,10 +14,10 @@ use super::error::{ApiError, Problem};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
-        .routes(routes!(healthz))
-        .routes(routes!(readyz))
-        .routes(routes!(metrics))
-        .routes(routes!(openapi_json))
+        .routes(routes!(get_health))
+        .routes(routes!(get_readiness))
+        .routes(routes!(get_metrics))
+        .routes(routes!(get_openapi))
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -27,8 +27,8 @@ pub struct Health {
 }
 
 /// 200 while the process serves.
-#[utoipa::path(get, path = "/healthz", tag = "service", responses((status = 200, body = Health)))]
-async fn healthz() -> Json<Health> {
+#[utoipa::path(get, path = "/healthz", tag = "service", responses((status = 200, description = "The process serves", body = Health)))]
+async fn get_health() -> Json<Health> {
     Json(Health { status: "ok" })
 }
 
@@ -46,11 +46,11 @@ pub struct Readiness {
 #[utoipa::path(
     get, path = "/readyz", tag = "service",
     responses(
-        (status = 200, body = Readiness),
+        (status = 200, description = "The store is open, migrated and writable", body = Readiness),
         (status = 503, description = "`unavailable` or `busy`", body = Problem, content_type = "application/problem+json"),
     )
 )]
-async fn readyz(State(state): State<AppState>) -> Result<Json<Readiness>, ApiError> {
+async fn get_readiness(State(state): State<AppState>) -> Result<Json<Readiness>, ApiError> {
     let store = state.store.backend();
     store.check_writable().await?;
     Ok(Json(Readiness {
@@ -64,7 +64,7 @@ async fn readyz(State(state): State<AppState>) -> Result<Json<Readiness>, ApiErr
     get, path = "/metrics", tag = "service",
     responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
 )]
-async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
+async fn get_metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
     let leases = state.store.backend().count_current_leases().await?;
     let processes = state.store.backend().count_current_processes().await?;
     Ok((
@@ -83,7 +83,7 @@ async fn metrics(State(state): State<AppState>) -> Result<impl IntoResponse, Api
     get, path = "/openapi.json", tag = "service",
     responses((status = 200, description = "The OpenAPI 3.1 document", body = Object))
 )]
-async fn openapi_json(State(state): State<AppState>) -> impl IntoResponse {
+async fn get_openapi(State(state): State<AppState>) -> impl IntoResponse {
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/json")],

@@ -5,8 +5,8 @@ use std::ffi::OsString;
 use std::time::Duration;
 
 use clap::Args;
-use holdfast::api::processes::{CreateProcessRequest, ListQuery, StopRequest};
-use holdfast::model::{Command, ProcessView, StateFilter, TokenRef};
+use holdfast::api::processes::{CommandSpec, CreateProcessRequest, ListQuery, StopRequest};
+use holdfast::model::{ProcessView, StateFilter, TokenRef};
 
 use super::error::CliError;
 use super::http::{Answer, Client};
@@ -106,10 +106,10 @@ pub async fn spawn(a: SpawnArgs, client: &Client, json: bool) -> Result<(), CliE
         lease: a.lease.map(|(id, token)| TokenRef { id, token }),
         owner: None,
         ttl_ms: a.ttl.map(duration::ms),
-        command: Some(Command {
+        command: Some(CommandSpec {
             argv,
             cwd,
-            env: a.env.into_iter().collect::<BTreeMap<_, _>>(),
+            env: (!a.env.is_empty()).then(|| a.env.into_iter().collect::<BTreeMap<_, _>>()),
         }),
         ports: (!a.ports.is_empty()).then_some(a.ports),
         metadata: None,

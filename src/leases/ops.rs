@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use super::rules::{Verdict, expiry, verdict};
 use super::{Acquire, Acquired, LeaseError, Outcome, Reclaimed};
 use crate::host::Host;
-use crate::model::{Judgement, LeaseRecord, LeaseState, LeaseView, ParentRef};
+use crate::model::{EventType, Judgement, LeaseRecord, LeaseState, LeaseView, ParentRef};
 use crate::store::{Effect, Result, Tx};
 use crate::time::Millis;
 
@@ -28,20 +28,10 @@ fn view(rec: &LeaseRecord, owner: Option<Judgement>, now: Millis) -> Box<LeaseVi
     Box::new(LeaseView::new(rec.clone(), owner, now))
 }
 
-fn event_type(state: LeaseState) -> &'static str {
-    match state {
-        LeaseState::Reserved | LeaseState::Active => "lease.acquired",
-        LeaseState::Released => "lease.released",
-        LeaseState::Expired => "lease.expired",
-        LeaseState::Reclaimed => "lease.reclaimed",
-        LeaseState::Broken => "lease.broken",
-    }
-}
-
 async fn append(
     tx: &mut dyn Tx,
     now: Millis,
-    kind: &str,
+    kind: EventType,
     lease: &LeaseView,
     detail: Value,
 ) -> Result<i64> {
@@ -69,7 +59,7 @@ async fn end(
     append(
         tx,
         cx.now,
-        event_type(state),
+        EventType::of_lease(state),
         &LeaseView::new(rec.clone(), owner, cx.now),
         detail,
     )
@@ -178,7 +168,7 @@ pub async fn acquire(tx: &mut dyn Tx, cx: Ctx<'_>, cmd: Acquire) -> Result<Outco
         Some(r) => json!({ "reclaimed": r }),
         None => Value::Null,
     };
-    append(tx, cx.now, "lease.acquired", &lease, detail).await?;
+    append(tx, cx.now, EventType::LeaseAcquired, &lease, detail).await?;
     Ok(Ok(Acquired { lease, reclaimed }))
 }
 
@@ -257,7 +247,7 @@ pub async fn activate(
     rec.renewed_at = Some(cx.now);
     tx.update_lease(&rec).await?;
     let lease = LeaseView::new(rec.clone(), cx.judge(&rec), cx.now);
-    append(tx, cx.now, "lease.activated", &lease, Value::Null).await?;
+    append(tx, cx.now, EventType::LeaseActivated, &lease, Value::Null).await?;
     Ok(Ok(lease))
 }
 

@@ -1,10 +1,15 @@
 //! Records as the API shows them and the store keeps them.
 
+mod event;
+pub mod int;
 mod port;
 mod process;
+mod shapes;
 
+pub use event::*;
 pub use port::*;
 pub use process::*;
+pub use shapes::*;
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -156,6 +161,7 @@ impl LeaseState {
 /// The parent lease a lease was acquired under.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ParentRef {
+    #[schema(format = "uuid")]
     pub id: String,
     pub resource: String,
     pub token: i64,
@@ -219,7 +225,7 @@ pub struct EventRow {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[schema(as = Lease)]
 pub struct LeaseView {
-    #[schema(example = "01937b4e-5d2a-7c4e-9a1b-2f3c4d5e6f70")]
+    #[schema(format = "uuid", example = "01937b4e-5d2a-7c4e-9a1b-2f3c4d5e6f70")]
     pub id: String,
     #[schema(example = "workspace/alpha")]
     pub resource: String,
@@ -250,7 +256,7 @@ pub struct LeaseView {
     pub ended_at: Option<Millis>,
     /// `released`, `ttl_expired`, `owner_dead:<reason>` or `broken:<reason>`.
     pub end_reason: Option<String>,
-    #[schema(value_type = Object)]
+    #[schema(value_type = Metadata)]
     pub metadata: serde_json::Map<String, serde_json::Value>,
 }
 

@@ -29,6 +29,7 @@ impl PortOwner {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[schema(as = PortReservation)]
 pub struct PortRecord {
+    #[schema(format = "uuid")]
     pub id: String,
     #[schema(example = 23817)]
     pub port: u16,

@@ -59,8 +59,10 @@ impl ProcessState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TokenRef {
+    #[schema(format = "uuid")]
     pub id: String,
     #[schema(minimum = 1)]
+    #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
 }
 
@@ -132,6 +134,7 @@ impl ProcessRecord {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[schema(as = Process)]
 pub struct ProcessView {
+    #[schema(format = "uuid")]
     pub id: String,
     #[schema(example = "dev-server")]
     pub kind: String,
@@ -153,7 +156,7 @@ pub struct ProcessView {
     pub logs: Option<Logs>,
     pub exit: Exit,
     /// Port reservations held by this process, by name.
-    #[schema(value_type = Object)]
+    #[schema(value_type = super::PortMap)]
     pub ports: std::collections::BTreeMap<String, u16>,
     pub ttl_ms: Option<i64>,
     #[serde(with = "crate::time::ser::option")]
@@ -169,7 +172,7 @@ pub struct ProcessView {
     #[schema(value_type = Option<String>, format = DateTime)]
     pub ended_at: Option<Millis>,
     pub end_reason: Option<String>,
-    #[schema(value_type = Object)]
+    #[schema(value_type = super::Metadata)]
     pub metadata: serde_json::Map<String, serde_json::Value>,
 }
 

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use crate::events::{Subject, append};
 use crate::leases::ops::Ctx;
-use crate::model::{PortOwner, PortRecord};
+use crate::model::{EventType, PortOwner, PortRecord};
 use crate::store::{Result, Tx};
 
 /// A refusal of a port request.
@@ -80,7 +80,7 @@ pub async fn insert(
         append(
             tx,
             cx.now,
-            "port.reserved",
+            EventType::PortReserved,
             Subject::Port(&rec),
             Value::Null,
         )
@@ -102,7 +102,14 @@ pub async fn release_all(tx: &mut dyn Tx, cx: Ctx<'_>, owner_id: &str) -> Result
 async fn end(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &mut PortRecord) -> Result<()> {
     tx.release_port(&rec.id, cx.now).await?;
     rec.released_at = Some(cx.now);
-    append(tx, cx.now, "port.released", Subject::Port(rec), Value::Null).await?;
+    append(
+        tx,
+        cx.now,
+        EventType::PortReleased,
+        Subject::Port(rec),
+        Value::Null,
+    )
+    .await?;
     Ok(())
 }
 

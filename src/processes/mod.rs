@@ -6,7 +6,7 @@ pub mod ops;
 pub mod stop;
 
 use crate::store::in_tx;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -57,6 +57,9 @@ pub struct CreateRequest {
 }
 
 pub const DEFAULT_GRACE: Duration = Duration::from_millis(5000);
+/// How long a stop that saw our own child go waits for the reaper to hand
+/// over its exit status (it is collected on the child's SIGCHLD).
+const CHILD_EXIT_WAIT: Duration = Duration::from_secs(2);
 
 pub struct Processes {
     store: Store,
@@ -68,6 +71,10 @@ pub struct Processes {
     claiming: Mutex<HashSet<String>>,
     /// Orphans whose `kill_failed` was reported already.
     kill_failed: Mutex<HashSet<String>>,
+    /// Exit statuses of our own children, by record id, published as the
+    /// reaper collects them: a stop that saw the child go reads how it
+    /// ended here instead of racing the transaction that records the exit.
+    exits: Mutex<HashMap<String, tokio::sync::watch::Receiver<Option<Exit>>>>,
 }
 
 impl Processes {
@@ -87,6 +94,7 @@ impl Processes {
             logs_dir,
             claiming: Mutex::default(),
             kill_failed: Mutex::default(),
+            exits: Mutex::default(),
         }))
     }
 
@@ -204,13 +212,44 @@ impl Processes {
             &started_id,
             identity
         ))??;
+        let (exit_tx, exit_watch) = tokio::sync::watch::channel(None);
+        self.exits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id.clone(), exit_watch);
         let me = self.clone();
         tokio::spawn(async move {
             if let Ok(exit) = exit_rx.await {
-                me.record_exit(id, pid, exit).await;
+                exit_tx.send_replace(Some(exit));
+                me.record_exit(id.clone(), pid, exit).await;
             }
+            me.exits
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&id);
         });
         Ok(view)
+    }
+
+    /// The stop's outcome, with the exit status of our own child once the
+    /// reaper has it.
+    async fn with_child_exit(&self, id: &str, outcome: Stopped) -> Stopped {
+        if outcome != Stopped::Settled(Exit::default()) {
+            return outcome;
+        }
+        let watch = self
+            .exits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .cloned();
+        let Some(mut watch) = watch else {
+            return outcome;
+        };
+        match tokio::time::timeout(CHILD_EXIT_WAIT, watch.wait_for(Option::is_some)).await {
+            Ok(Ok(exit)) => Stopped::Settled(exit.unwrap_or_default()),
+            _ => outcome,
+        }
     }
 
     async fn record_exit(&self, id: String, pid: i32, exit: Exit) {
@@ -333,6 +372,7 @@ impl Processes {
             StopStart::Signal(rec) => rec,
         };
         let outcome = stop_tree(self.host.as_ref(), &rec, &params).await;
+        let outcome = self.with_child_exit(&id, outcome).await;
         let reason = Some(params.reason);
         Ok(in_tx!(self, true, |tx, cx| ops::end_stop(
             tx, cx, &id, rec.token, outcome, reason
@@ -401,7 +441,7 @@ impl Processes {
             if self.gone_unnoticed(&rec) {
                 // Its exit was missed (a watcher could not be set up): end it now.
                 let (id, token, pid) = (rec.id.clone(), rec.token, rec.pid().unwrap_or_default());
-                let outcome = ops::Stopped::Settled;
+                let outcome = ops::Stopped::Settled(Exit::default());
                 match rec.state {
                     ProcessState::Running => {
                         in_tx!(self, true, |tx, cx| ops::exited(
@@ -487,6 +527,7 @@ impl Processes {
                 reason: "orphan_reconciled".into(),
             };
             let outcome = stop_tree(me.host.as_ref(), &rec, &params).await;
+            let outcome = me.with_child_exit(&rec.id, outcome).await;
             let (id, token) = (rec.id.clone(), rec.token);
             let first_failure = outcome == Stopped::NotSettled
                 && me

@@ -12,8 +12,8 @@ use crate::host::signal::OwnIds;
 use crate::leases::ops::{Ctx, current_parent};
 use crate::leases::{LeaseError, rules::expiry};
 use crate::model::{
-    Command, Exit, Identity, Liveness, Logs, PortOwner, ProcessRecord, ProcessState, ProcessView,
-    TokenRef,
+    Command, EventType, Exit, Identity, Liveness, Logs, PortOwner, ProcessRecord, ProcessState,
+    ProcessView, TokenRef,
 };
 use crate::ports::ops as ports;
 use crate::store::{Result, Tx};
@@ -56,7 +56,7 @@ async fn boxed(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &ProcessRecord) -> Result<Box<
 async fn event(
     tx: &mut dyn Tx,
     cx: Ctx<'_>,
-    kind: &str,
+    kind: EventType,
     rec: &ProcessRecord,
     detail: Value,
 ) -> Result<ProcessView> {
@@ -79,14 +79,7 @@ async fn end(
     tx.update_process(rec).await?;
     tx.require_durable();
     ports::release_all(tx, cx, &rec.id).await?;
-    event(
-        tx,
-        cx,
-        &format!("process.{}", state.as_str()),
-        rec,
-        Value::Null,
-    )
-    .await
+    event(tx, cx, EventType::of_process(state), rec, Value::Null).await
 }
 
 /// A process record about to be created.
@@ -153,7 +146,7 @@ pub async fn create(
         metadata: c.metadata,
     };
     tx.insert_process(&rec).await?;
-    event(tx, cx, "process.registered", &rec, Value::Null).await?;
+    event(tx, cx, EventType::ProcessRegistered, &rec, Value::Null).await?;
     let owner = PortOwner {
         process: Some(TokenRef {
             id: rec.id.clone(),
@@ -183,9 +176,14 @@ pub async fn started(
     rec.identity = Some(identity);
     rec.started_at = Some(cx.now);
     tx.update_process(&rec).await?;
-    Ok(Ok(
-        event(tx, cx, "process.running", &rec, Value::Null).await?
-    ))
+    Ok(Ok(event(
+        tx,
+        cx,
+        EventType::ProcessRunning,
+        &rec,
+        Value::Null,
+    )
+    .await?))
 }
 
 /// The spawn failed after the record was made: it ends `failed`.
@@ -325,12 +323,20 @@ pub async fn begin_stop(
 /// How the stop procedure went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stopped {
-    /// The process and its group are gone.
-    Settled,
+    /// The process and its group are gone; how it ended, when known (the
+    /// exit status of our own child).
+    Settled(Exit),
     /// Still alive after TERM, grace (and KILL when forced).
     NotSettled,
     /// The pid belongs to another process now: nothing was signalled.
     Reused,
+}
+
+/// Keep an exit status learnt late, unless one was recorded already.
+fn learn_exit(rec: &mut ProcessRecord, exit: Exit) {
+    if rec.exit == Exit::default() {
+        rec.exit = exit;
+    }
 }
 
 /// Record the end of a stop that `begin_stop` began with `token`.
@@ -350,7 +356,8 @@ pub async fn end_stop(
         return Ok(Ok(view(tx, cx, rec).await?));
     }
     match outcome {
-        Stopped::Settled => {
+        Stopped::Settled(exit) => {
+            learn_exit(&mut rec, exit);
             let reason = reason.unwrap_or_else(|| "stopped".into());
             Ok(Ok(
                 end(tx, cx, &mut rec, ProcessState::Stopped, reason).await?
@@ -498,7 +505,14 @@ pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<Proc
     rec.state = ProcessState::Orphaned;
     tx.update_process(&rec).await?;
     tx.require_durable();
-    event(tx, cx, "process.orphaned", &rec, json!({ "reason": why })).await?;
+    event(
+        tx,
+        cx,
+        EventType::ProcessOrphaned,
+        &rec,
+        json!({ "reason": why }),
+    )
+    .await?;
     Ok(Some(rec))
 }
 
@@ -518,7 +532,8 @@ pub async fn end_orphan(
         return Ok(());
     }
     match outcome {
-        Stopped::Settled => {
+        Stopped::Settled(exit) => {
+            learn_exit(&mut rec, exit);
             end(
                 tx,
                 cx,
@@ -537,7 +552,7 @@ pub async fn end_orphan(
             event(
                 tx,
                 cx,
-                "process.kill_failed",
+                EventType::ProcessKillFailed,
                 &rec,
                 json!({ "reason": "process tree did not settle after SIGKILL" }),
             )

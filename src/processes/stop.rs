@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::ops::Stopped;
 use crate::host::Host;
 use crate::host::signal::{self, Sig, Verified};
-use crate::model::{Identity, ProcessRecord};
+use crate::model::{Exit, Identity, ProcessRecord};
 
 /// How long a tree may take to go after SIGKILL before it counts as not settled.
 const KILL_WAIT: Duration = Duration::from_secs(5);
@@ -130,29 +130,29 @@ async fn settled_within(
 /// Stop the process of `rec` and, when it leads one, its process group.
 pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> Stopped {
     let Some(ident) = &rec.identity else {
-        return Stopped::Settled;
+        return Stopped::Settled(Exit::default());
     };
     let pgid = rec.pgid();
     let leader = match send(host, ident, pgid, Sig::Term, &p.reason) {
         Sent::Reused => return Stopped::Reused,
-        Sent::Gone => return Stopped::Settled,
+        Sent::Gone => return Stopped::Settled(Exit::default()),
         Sent::Signalled(fd) => fd,
         Sent::Failed => None,
     };
     if settled_within(host, ident, pgid, p.grace, leader).await {
-        return Stopped::Settled;
+        return Stopped::Settled(Exit::default());
     }
     if !p.force {
         return Stopped::NotSettled;
     }
     let leader = match send(host, ident, pgid, Sig::Kill, &p.reason) {
-        Sent::Gone => return Stopped::Settled,
+        Sent::Gone => return Stopped::Settled(Exit::default()),
         Sent::Reused => return Stopped::Reused,
         Sent::Signalled(fd) => fd,
         Sent::Failed => None,
     };
     if settled_within(host, ident, pgid, KILL_WAIT, leader).await {
-        Stopped::Settled
+        Stopped::Settled(Exit::default())
     } else {
         Stopped::NotSettled
     }

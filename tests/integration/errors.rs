@@ -268,26 +268,22 @@ async fn oversized_heads_are_431() {
 stores!(past_the_connection_cap_the_answer_is_503_busy_not_a_hang);
 async fn past_the_connection_cap_the_answer_is_503_busy_not_a_hang() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let s = Server::start_with(&["--max-connections", "2"]).await;
+    holdfast::server::raise_fd_limit();
+    let s = Server::start_with(&["--max-connections", "1024"]).await;
     let addr = s.base.trim_start_matches("http://").to_owned();
-    // Two idle connections take the two places.
-    let held_a = tokio::net::TcpStream::connect(&addr)
+    // 1024 idle connections, the least the flag accepts, take every place.
+    let held = connect_many(&addr, 1024).await;
+    let mut one_more = tokio::net::TcpStream::connect(&addr)
         .await
         .expect("connect");
-    let held_b = tokio::net::TcpStream::connect(&addr)
-        .await
-        .expect("connect");
-    let mut third = tokio::net::TcpStream::connect(&addr)
-        .await
-        .expect("connect");
-    third
+    one_more
         .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .await
         .expect("write");
     let mut answer = String::new();
     tokio::time::timeout(
         std::time::Duration::from_secs(10),
-        third.read_to_string(&mut answer),
+        one_more.read_to_string(&mut answer),
     )
     .await
     .expect("answered at once, not left hanging")
@@ -298,7 +294,44 @@ async fn past_the_connection_cap_the_answer_is_503_busy_not_a_hang() {
             && answer.to_ascii_lowercase().contains("retry-after: 1"),
         "{answer}"
     );
-    drop((held_a, held_b));
+    drop(held);
+}
+
+/// `n` TCP connections to `addr`, all open at once, none of them sending.
+async fn connect_many(addr: &str, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        conns.push(tokio::net::TcpStream::connect(addr).await.expect("connect"));
+    }
+    conns
+}
+
+#[test]
+fn max_connections_below_1024_is_refused_at_start() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let serve = |flag: &[&str], env: Option<&str>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_holdfast"));
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(tmp.path())
+            .args(flag)
+            .env_remove("HOLDFAST_MAX_CONNECTIONS");
+        if let Some(v) = env {
+            cmd.env("HOLDFAST_MAX_CONNECTIONS", v);
+        }
+        cmd.output().expect("run holdfast")
+    };
+    for out in [
+        serve(&["--max-connections", "10"], None),
+        serve(&[], Some("10")),
+    ] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("invalid value '10' for '--max-connections <MAX_CONNECTIONS>'")
+                && stderr.contains("10 is not in 1024..=1000000"),
+            "{stderr}"
+        );
+    }
 }
 
 stores!(more_than_1024_connections_are_served_at_once);
@@ -307,14 +340,7 @@ async fn more_than_1024_connections_are_served_at_once() {
     holdfast::server::raise_fd_limit();
     let s = Server::start().await;
     let addr = s.base.trim_start_matches("http://").to_owned();
-    let mut conns = Vec::new();
-    for _ in 0..1100 {
-        conns.push(
-            tokio::net::TcpStream::connect(&addr)
-                .await
-                .expect("connect"),
-        );
-    }
+    let conns = connect_many(&addr, 1100).await;
     // Every one of them, all open at once, gets an answer.
     let tasks: Vec<_> = conns
         .into_iter()
@@ -336,4 +362,32 @@ async fn more_than_1024_connections_are_served_at_once() {
         ok += usize::from(t.await.expect("task"));
     }
     assert_eq!(ok, 1100);
+}
+
+stores!(numbers_and_text_are_read_as_the_document_describes_them);
+async fn numbers_and_text_are_read_as_the_document_describes_them() {
+    let s = Server::start().await;
+    // JSON Schema counts 30000.0 as an integer, and so do generated clients.
+    let r = s
+        .acquire(json!({"resource": "num/a", "holder": "h", "ttl_ms": 30000.0}))
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(r.body["ttl_ms"], 30000);
+    let id = r.body["id"].as_str().expect("id").to_owned();
+    let r = s.lease_op(&id, "renew", json!({"token": 1.5})).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::UNPROCESSABLE_ENTITY, "validation")
+    );
+    assert_eq!(r.body["field"], "token");
+    let r = s.lease_op(&id, "renew", json!({"token": 1.0})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    // C1 controls are control characters too (the document's pattern says so).
+    let r = s
+        .acquire(json!({"resource": "num/\u{9d}", "holder": "h", "ttl_ms": 30000}))
+        .await;
+    assert_eq!(
+        (r.status, r.body["field"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("resource"))
+    );
 }

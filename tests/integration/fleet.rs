@@ -87,13 +87,18 @@ async fn a_lease_owned_on_one_host_is_remote_on_the_other_and_taken_only_after_i
             .acquire(json!({"resource": "fleet/owned", "holder": "b", "ttl_ms": 5000, "wait_ms": 10_000}))
             .await;
         assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
-        assert_eq!(r.body["reclaimed"]["id"], held.body["id"]);
-        assert_eq!(r.body["reclaimed"]["reason"], "ttl_expired");
+        // Either this acquire ended the old lease, or a host's reconciler
+        // expired it a moment before the woken waiter tried again.
+        if !r.body["reclaimed"].is_null() {
+            assert_eq!(r.body["reclaimed"]["id"], held.body["id"]);
+            assert_eq!(r.body["reclaimed"]["reason"], "ttl_expired");
+        }
         let expired_at = held.body["expires_at"].as_str().expect("expires_at");
         let taken_at = r.body["acquired_at"].as_str().expect("acquired_at");
         assert!(taken_at >= expired_at, "taken at {taken_at}, before the TTL ran out at {expired_at}");
         assert!(r.body["token"].as_i64() > held.body["token"].as_i64());
-        assert_eq!(a.lease(&id(&held.body)).await["state"], "expired");
+        let old = a.lease(&id(&held.body)).await;
+        assert_eq!((old["state"].as_str(), old["end_reason"].as_str()), (Some("expired"), Some("ttl_expired")));
     })
     .await
 }

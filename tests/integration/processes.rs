@@ -138,6 +138,41 @@ async fn exit_code_and_killing_signal_are_recorded() {
     assert_eq!(stop.body["state"], "exited");
 }
 
+stores!(the_stop_answer_and_its_event_say_how_the_process_ended);
+async fn the_stop_answer_and_its_event_say_how_the_process_ended() {
+    let s = Server::start().await;
+    // The race seen before: the stop saw the child go before the reaper's
+    // exit status was recorded. Several rounds, as it showed in most runs.
+    for round in 0..5 {
+        let p = s
+            .spawn(
+                json!({"kind": "job", "command": {"argv": ["sh", "-c", "echo hi; exec sleep 30"]}}),
+            )
+            .await;
+        let stop = s
+            .process_op(&id(&p), "stop", json!({"token": p["token"]}))
+            .await;
+        assert_eq!(stop.status, StatusCode::OK, "{}", stop.body);
+        assert_eq!(stop.body["state"], "stopped");
+        assert_eq!(
+            stop.body["exit"],
+            json!({"code": null, "signal": 15}),
+            "round {round}: the stop answer says SIGTERM ended it"
+        );
+        let stopped: Vec<_> = s
+            .all_events()
+            .await
+            .into_iter()
+            .filter(|e| e["type"] == "process.stopped" && e["process"]["id"] == p["id"])
+            .collect();
+        assert_eq!(stopped.len(), 1);
+        assert_eq!(
+            stopped[0]["process"]["exit"],
+            json!({"code": null, "signal": 15})
+        );
+    }
+}
+
 stores!(a_program_that_cannot_run_is_422_and_nothing_is_recorded);
 async fn a_program_that_cannot_run_is_422_and_nothing_is_recorded() {
     let s = Server::start().await;

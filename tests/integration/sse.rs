@@ -24,10 +24,20 @@ struct Message {
 
 impl Stream {
     async fn open(s: &Server, last_event_id: Option<i64>) -> Self {
-        let mut req = s
+        let req = s
             .client
             .get(s.url("/v1/events"))
             .header("accept", "text/event-stream");
+        Self::send(req, last_event_id).await
+    }
+
+    /// The stream's own operation: no `Accept` header needed.
+    async fn open_stream_path(s: &Server, query: &str, last_event_id: Option<i64>) -> Self {
+        let req = s.client.get(s.url(&format!("/v1/events/stream{query}")));
+        Self::send(req, last_event_id).await
+    }
+
+    async fn send(mut req: reqwest::RequestBuilder, last_event_id: Option<i64>) -> Self {
         if let Some(id) = last_event_id {
             req = req.header("last-event-id", id.to_string());
         }
@@ -70,6 +80,37 @@ impl Stream {
             self.buf.push_str(&String::from_utf8_lossy(&chunk));
         }
     }
+}
+
+stores!(the_stream_operation_streams_from_after_or_last_event_id);
+async fn the_stream_operation_streams_from_after_or_last_event_id() {
+    let s = Server::start().await;
+    for r in ["sse/x", "sse/y", "sse/z"] {
+        s.acquire_ok(r, "h").await;
+    }
+    let mut from_after = Stream::open_stream_path(&s, "?after=1", None).await;
+    let m = from_after.next().await;
+    assert_eq!((m.id, m.event.as_str()), (2, "lease.acquired"));
+    assert_eq!(m.data["lease"]["resource"], "sse/y");
+    let mut resumed = Stream::open_stream_path(&s, "?after=0", Some(2)).await;
+    let m = resumed.next().await;
+    assert_eq!(m.id, 3, "Last-Event-ID overrides after");
+    assert_eq!(m.data["lease"]["resource"], "sse/z");
+
+    let bad = s
+        .client
+        .get(s.url("/v1/events/stream"))
+        .header("last-event-id", "three")
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(bad.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let body: Value = bad.json().await.expect("problem");
+    assert_eq!(body["field"], "Last-Event-ID");
+    // JSON callers of /v1/events get JSON whatever Last-Event-ID says.
+    let json = s.get("/v1/events?after=2").await;
+    assert_eq!(json.status, StatusCode::OK);
+    assert_eq!(json.body["items"].as_array().expect("items").len(), 1);
 }
 
 stores!(a_resumed_stream_sees_every_event_once_in_order_across_a_restart);

@@ -1,11 +1,18 @@
 //! Every test written with `stores!` runs twice: against the embedded
 //! SQLite store and against PostgreSQL, each server with a database of its
-//! own. `HOLDFAST_TEST_POSTGRES` names the PostgreSQL server
-//! (default `postgres://postgres@127.0.0.1:5432`); `off` skips those runs.
+//! own. `HOLDFAST_TEST_POSTGRES` names the PostgreSQL server; once it is set,
+//! PostgreSQL is required and a test fails if it cannot reach it. `off` skips
+//! those runs. Unset, the default `postgres://postgres@127.0.0.1:5432` is used
+//! if something answers there; if nothing does, the PostgreSQL runs are
+//! skipped, with one line on stderr. (`HOLDFAST_TEST_POSTGRES_DEFAULT`
+//! replaces that default address: for the test of the skip itself.)
 
 use std::cell::Cell;
 use std::future::Future;
+use std::io::Write;
 use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use sqlx::Connection;
 
@@ -40,7 +47,6 @@ pub(crate) use stores;
 
 pub async fn run(store: Store, test: impl Future<Output = ()>) {
     if store == Store::Postgres && postgres_base().is_none() {
-        eprintln!("SKIPPED: HOLDFAST_TEST_POSTGRES=off");
         return;
     }
     STORE.with(|s| s.set(store));
@@ -51,13 +57,67 @@ pub fn current() -> Store {
     STORE.with(Cell::get)
 }
 
-/// The PostgreSQL server of the tests, or None when they are turned off.
+const DEFAULT_POSTGRES: &str = "postgres://postgres@127.0.0.1:5432";
+
+/// The PostgreSQL server of the tests, or None when its half is skipped.
+/// Decided once per process; a skip is announced then, in one line.
 pub fn postgres_base() -> Option<String> {
-    match std::env::var("HOLDFAST_TEST_POSTGRES") {
-        Ok(v) if v == "off" => None,
-        Ok(v) if !v.is_empty() => Some(v.trim_end_matches('/').to_owned()),
-        _ => Some("postgres://postgres@127.0.0.1:5432".to_owned()),
+    static BASE: OnceLock<Option<String>> = OnceLock::new();
+    BASE.get_or_init(|| {
+        let (base, skipped) = decide_postgres();
+        if let Some(why) = skipped {
+            // Straight to stderr: the test harness captures `eprintln!`.
+            let _ = writeln!(
+                std::io::stderr(),
+                "holdfast tests: skipping every ::postgres test: {why}"
+            );
+        }
+        base
+    })
+    .clone()
+}
+
+fn decide_postgres() -> (Option<String>, Option<String>) {
+    let named = std::env::var("HOLDFAST_TEST_POSTGRES").unwrap_or_default();
+    if named == "off" {
+        return (None, Some("HOLDFAST_TEST_POSTGRES=off".into()));
     }
+    if !named.is_empty() {
+        return (Some(named.trim_end_matches('/').to_owned()), None);
+    }
+    let default = std::env::var("HOLDFAST_TEST_POSTGRES_DEFAULT")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| DEFAULT_POSTGRES.to_owned());
+    let default = default.trim_end_matches('/').to_owned();
+    if answers(&default) {
+        (Some(default), None)
+    } else {
+        let why = format!(
+            "HOLDFAST_TEST_POSTGRES is unset and nothing answers at {default} \
+             (set HOLDFAST_TEST_POSTGRES to a server on which the tests may create databases)"
+        );
+        (None, Some(why))
+    }
+}
+
+/// Whether anything accepts a TCP connection at the host and port of `url`.
+fn answers(url: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    let host_port = rest.split(['/', '?']).next().unwrap_or(rest);
+    let with_port = if host_port
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+    {
+        host_port.to_owned()
+    } else {
+        format!("{host_port}:5432")
+    };
+    with_port.to_socket_addrs().is_ok_and(|mut addrs| {
+        addrs.any(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(2)).is_ok())
+    })
 }
 
 const MARKER: &str = "test-database-url";
@@ -82,7 +142,10 @@ pub async fn database_for(dir: &Path) -> String {
     let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
         .await
         .unwrap_or_else(|e| {
-            panic!("cannot reach the test PostgreSQL at {base} (set HOLDFAST_TEST_POSTGRES, or =off): {e}")
+            panic!(
+                "cannot reach the test PostgreSQL at {base} (HOLDFAST_TEST_POSTGRES names \
+                 another server; =off skips the PostgreSQL half): {e}"
+            )
         });
     sqlx::query(&format!("CREATE DATABASE {name}"))
         .execute(&mut admin)
@@ -118,4 +181,57 @@ pub fn drop_database_of(dir: &Path) {
 pub fn share_database(from: &Path, to: &Path) {
     let url = std::fs::read_to_string(from.join(MARKER)).expect("the first server made a database");
     std::fs::write(to.join(MARKER), url).expect("write the database marker");
+}
+
+/// Run two PostgreSQL tests of this binary in a process of their own, with
+/// `HOLDFAST_TEST_POSTGRES` unset and `var` set to `value`: exit status and
+/// all it wrote.
+fn postgres_tests_with(var: &str, value: &str) -> (bool, String) {
+    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            "service::health_and_readiness::postgres",
+            "database::a_schema_newer_than_this_build_is_refused",
+            "--exact",
+        ])
+        .env_remove("HOLDFAST_TEST_POSTGRES")
+        .env_remove("HOLDFAST_TEST_POSTGRES_DEFAULT")
+        .env(var, value)
+        .output()
+        .expect("run the test binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[test]
+fn postgres_half_is_skipped_only_when_unnamed_and_nothing_answers() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let nowhere = format!("postgres://postgres@127.0.0.1:{port}");
+
+    // Unset, and nothing answers at the default: skipped, said once, passed.
+    let (ok, out) = postgres_tests_with("HOLDFAST_TEST_POSTGRES_DEFAULT", &nowhere);
+    assert!(ok, "{out}");
+    let line = format!(
+        "holdfast tests: skipping every ::postgres test: HOLDFAST_TEST_POSTGRES is unset \
+         and nothing answers at {nowhere}"
+    );
+    assert_eq!(out.matches(&line).count(), 1, "{out}");
+    assert!(out.contains("2 passed; 0 failed"), "{out}");
+
+    // Named: required, so the same tests fail.
+    let (ok, out) = postgres_tests_with("HOLDFAST_TEST_POSTGRES", &nowhere);
+    assert!(!ok, "{out}");
+    assert!(!out.contains("skipping"), "{out}");
+    assert!(
+        out.contains(&format!("cannot reach the test PostgreSQL at {nowhere}")),
+        "{out}"
+    );
+    assert!(out.contains("0 passed; 2 failed"), "{out}");
 }
