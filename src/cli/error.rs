@@ -50,21 +50,26 @@ impl CliError {
 
     /// What the API answered with a non-2xx status.
     pub fn api(status: u16, body: &[u8]) -> Self {
-        match serde_json::from_slice::<Problem>(body) {
-            Ok(problem) => {
-                let exit = match problem.code.as_str() {
-                    _ if status == 503 => EXIT_UNREACHABLE,
-                    "lease_held" => EXIT_CONFLICT,
-                    _ => 1,
-                };
-                Self {
-                    code: problem.code.as_str().to_owned(),
-                    detail: problem.detail.clone(),
-                    exit,
-                    problem: Some(Box::new(problem)),
-                }
+        let exit = |code: &str| match code {
+            _ if status == 503 => EXIT_UNREACHABLE,
+            "lease_held" => EXIT_CONFLICT,
+            _ => 1,
+        };
+        if let Ok(problem) = serde_json::from_slice::<Problem>(body) {
+            return Self {
+                code: problem.code.as_str().to_owned(),
+                detail: problem.detail.clone(),
+                exit: exit(problem.code.as_str()),
+                problem: Some(Box::new(problem)),
+            };
+        }
+        // A problem of a code (or shape) this build does not know.
+        match serde_json::from_slice::<serde_json::Value>(body) {
+            Ok(v) if v["code"].is_string() => {
+                let code = v["code"].as_str().unwrap_or_default();
+                Self::new(code, v["detail"].as_str().unwrap_or_default(), exit(code))
             }
-            Err(_) => {
+            _ => {
                 let text = String::from_utf8_lossy(body);
                 let text = text.trim();
                 let detail = if text.is_empty() {
@@ -72,8 +77,7 @@ impl CliError {
                 } else {
                     format!("the server answered {status}: {}", truncate(text, 200))
                 };
-                let exit = if status == 503 { EXIT_UNREACHABLE } else { 1 };
-                Self::new(&format!("http_{status}"), detail, exit)
+                Self::new(&format!("http_{status}"), detail, exit(""))
             }
         }
     }
@@ -110,6 +114,12 @@ mod tests {
         let fenced =
             br#"{"type":"about:blank","title":"t","status":409,"code":"fenced","detail":"no"}"#;
         assert_eq!(CliError::api(409, fenced).exit, 1);
+        let novel = br#"{"type":"about:blank","title":"t","status":409,"code":"request_in_progress","detail":"later"}"#;
+        let e = CliError::api(409, novel);
+        assert_eq!(
+            (e.code.as_str(), e.detail.as_str(), e.exit),
+            ("request_in_progress", "later", 1)
+        );
         let e = CliError::api(502, b"<html>bad gateway</html>");
         assert_eq!((e.code.as_str(), e.exit), ("http_502", 1));
     }

@@ -216,8 +216,7 @@ pub async fn acquire(
 /// "R is held by H" with the holder's lease id, token and owner.
 fn held_detail(e: &CliError, waited: Option<Duration>) -> String {
     let mut detail = e.detail.clone();
-    let holder = e.problem.as_ref().and_then(|p| p.holder.clone());
-    if let Some(h) = holder {
+    if let Some(h) = e.problem.as_ref().and_then(|p| p.holder.as_ref()) {
         detail.push_str(&format!(" (lease {}, token {}", h.id, h.token));
         if let Some(owner) = &h.owner {
             detail.push_str(&format!(", pid {} on {}", owner.pid, owner.hostname));

@@ -109,7 +109,7 @@ pub async fn spawn(a: SpawnArgs, client: &Client, json: bool) -> Result<(), CliE
         command: Some(CommandSpec {
             argv,
             cwd,
-            env: Some(a.env.into_iter().collect::<BTreeMap<_, _>>()),
+            env: (!a.env.is_empty()).then(|| a.env.into_iter().collect::<BTreeMap<_, _>>()),
         }),
         ports: (!a.ports.is_empty()).then_some(a.ports),
         metadata: None,

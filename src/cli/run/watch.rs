@@ -56,7 +56,7 @@ async fn renew_until_fenced(client: &Client, lease: &LeaseView, ttl: Duration) -
                             lease.id, e.code, e.detail
                         )
                     },
-                    |now| ended(&now),
+                    ended,
                 );
             }
             // The server is away or busy: the lease is bound to `run`, which
@@ -142,13 +142,13 @@ pub fn lost_on_release(e: &CliError) -> Option<String> {
     if !e.is("fenced") {
         return None;
     }
-    Some(current(e).map_or_else(|| e.detail.clone(), |l| ended(&l)))
+    Some(current(e).map_or_else(|| e.detail.clone(), ended))
 }
 
 /// The lease as a `fenced` answer shows it now.
-fn current(e: &CliError) -> Option<LeaseView> {
+fn current(e: &CliError) -> Option<&LeaseView> {
     match e.problem.as_ref()?.current.as_ref()? {
-        CurrentRecord::Lease(lease) => Some(lease.clone()),
+        CurrentRecord::Lease(l) => Some(l),
         _ => None,
     }
 }
