@@ -66,7 +66,7 @@ pub struct ReserveRequest {
     pub names: Vec<String>,
     #[schema(value_type = PortOwnerSpec)]
     pub owner: OwnerRef,
-    /// Inclusive `[low, high]` within 1024..=65535, low first; default `[20000, 29999]`.
+    /// Inclusive `[low, high]` within 1024..=65535 (either bound first); default `[20000, 29999]`.
     #[schema(value_type = Option<crate::model::PortRange>)]
     pub range: Option<[u16; 2]>,
 }
@@ -164,11 +164,13 @@ async fn reserve_ports(
         }
     }
     let range = match req.range {
-        Some([lo, hi]) if lo <= hi && crate::ports::ALLOWED.contains(&lo) => lo..=hi,
+        // The ports between two bounds, whichever is given first: JSON
+        // Schema cannot say which comes first, so the document does not.
+        Some([a, b]) if crate::ports::ALLOWED.contains(&a.min(b)) => a.min(b)..=a.max(b),
         Some(_) => {
             return Err(ApiError::validation(
                 "range",
-                "range must be [low, high] within 1024..=65535",
+                "range must be two ports within 1024..=65535",
             ));
         }
         None => crate::ports::DEFAULT_RANGE,

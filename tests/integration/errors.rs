@@ -390,4 +390,14 @@ async fn numbers_and_text_are_read_as_the_document_describes_them() {
         (r.status, r.body["field"].as_str()),
         (StatusCode::UNPROCESSABLE_ENTITY, Some("resource"))
     );
+    // A port range may name its bounds in either order.
+    let r = s
+        .post(
+            "/v1/ports",
+            json!({"names": ["http"], "owner": {"lease": {"id": id, "token": 1}}, "range": [31010, 31000]}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let port = r.body["ports"]["http"].as_u64().expect("port");
+    assert!((31000..=31010).contains(&port));
 }
