@@ -7,7 +7,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::leases::LeaseError;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Reason {
@@ -138,8 +137,9 @@ impl Metrics {
             .inc();
     }
 
-    pub fn lease_refused(&self, e: &LeaseError) {
-        let code = crate::api::error::lease_code(e).as_str();
+    /// A lease request refused with the contract's `code`.
+    pub fn lease_refused(&self, code: crate::model::Code) {
+        let code = code.as_str();
         self.conflicts.get_or_create(&Code { code }).inc();
     }
 

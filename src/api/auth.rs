@@ -2,12 +2,12 @@
 //! credentials, and the `Host` / `Origin` checks that keep web pages out.
 
 use axum::extract::{ConnectInfo, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::AppState;
-use super::error::{ApiError, problem};
+use super::error::ApiError;
 pub use crate::caller::{Caller, Peer};
 use crate::config::Tokens;
 
@@ -174,21 +174,6 @@ pub struct Access {
     pub allowed_hosts: Vec<String>,
     /// The TCP listener is on a loopback address.
     pub tcp_loopback: bool,
-}
-
-pub fn unauthorized() -> Response {
-    let mut res = problem(
-        StatusCode::UNAUTHORIZED,
-        super::error::Code::Unauthorized,
-        "Unauthorized",
-        "send Authorization: Bearer <token>",
-        serde_json::Map::new(),
-    );
-    res.headers_mut().insert(
-        header::WWW_AUTHENTICATE,
-        header::HeaderValue::from_static("Bearer"),
-    );
-    res
 }
 
 #[cfg(test)]

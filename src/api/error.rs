@@ -8,77 +8,11 @@ use serde_json::{Map, Value, json};
 use utoipa::ToSchema;
 
 use crate::leases::{self, LeaseError};
+pub use crate::model::Code;
 use crate::model::{LeaseView, PortRecord, ProcessView};
 use crate::ports::ops::PortError;
 use crate::processes::{self, ops::ProcError};
 use crate::store::StoreError;
-
-/// The stable, machine-readable `code` of a problem: clients switch on it,
-/// never on `title` or `detail`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-#[schema(as = ProblemCode)]
-pub enum Code {
-    MalformedJson,
-    Unauthorized,
-    Forbidden,
-    NotFound,
-    MethodNotAllowed,
-    EventsPruned,
-    LeaseHeld,
-    Fenced,
-    OwnerRemote,
-    OwnerUnverifiable,
-    ParentFenced,
-    NotReserved,
-    OperationInProgress,
-    ProcessAlive,
-    IdentityMismatch,
-    RemoteProcess,
-    ProcessTreeNotSettled,
-    PortsExhausted,
-    PayloadTooLarge,
-    HeadersTooLarge,
-    UnsupportedMediaType,
-    Validation,
-    ProcessNotFound,
-    Busy,
-    Unavailable,
-    Internal,
-}
-
-impl Code {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::MalformedJson => "malformed_json",
-            Self::Unauthorized => "unauthorized",
-            Self::Forbidden => "forbidden",
-            Self::NotFound => "not_found",
-            Self::MethodNotAllowed => "method_not_allowed",
-            Self::EventsPruned => "events_pruned",
-            Self::LeaseHeld => "lease_held",
-            Self::Fenced => "fenced",
-            Self::OwnerRemote => "owner_remote",
-            Self::OwnerUnverifiable => "owner_unverifiable",
-            Self::ParentFenced => "parent_fenced",
-            Self::NotReserved => "not_reserved",
-            Self::OperationInProgress => "operation_in_progress",
-            Self::ProcessAlive => "process_alive",
-            Self::IdentityMismatch => "identity_mismatch",
-            Self::RemoteProcess => "remote_process",
-            Self::ProcessTreeNotSettled => "process_tree_not_settled",
-            Self::PortsExhausted => "ports_exhausted",
-            Self::PayloadTooLarge => "payload_too_large",
-            Self::HeadersTooLarge => "headers_too_large",
-            Self::UnsupportedMediaType => "unsupported_media_type",
-            Self::Validation => "validation",
-            Self::ProcessNotFound => "process_not_found",
-            Self::Busy => "busy",
-            Self::Unavailable => "unavailable",
-            Self::Internal => "internal",
-        }
-    }
-}
 
 /// The record a `fenced` (or similar) problem shows as it is now.
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
@@ -166,19 +100,6 @@ impl ApiError {
     }
 }
 
-/// The contract's code for a lease refusal.
-pub fn lease_code(e: &LeaseError) -> Code {
-    match e {
-        LeaseError::NotFound => Code::NotFound,
-        LeaseError::Held(_) => Code::LeaseHeld,
-        LeaseError::OwnerRemote(_) => Code::OwnerRemote,
-        LeaseError::OwnerUnverifiable(_) => Code::OwnerUnverifiable,
-        LeaseError::ParentFenced(_) => Code::ParentFenced,
-        LeaseError::Fenced(_) => Code::Fenced,
-        LeaseError::NotReserved(_) => Code::NotReserved,
-    }
-}
-
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
@@ -204,28 +125,12 @@ impl From<processes::Error> for ApiError {
     }
 }
 
-/// The contract's code for a process refusal.
-pub fn proc_code(e: &ProcError) -> Code {
-    match e {
-        ProcError::NotFound => Code::NotFound,
-        ProcError::Fenced(_) => Code::Fenced,
-        ProcError::OperationInProgress(_) => Code::OperationInProgress,
-        ProcError::LeaseFenced(_) => Code::ParentFenced,
-        ProcError::ProcessAlive(_) => Code::ProcessAlive,
-        ProcError::RemoteProcess(_) => Code::RemoteProcess,
-        ProcError::Forbidden(_) => Code::Forbidden,
-        ProcError::PortsExhausted => Code::PortsExhausted,
-        ProcError::IdentityMismatch(_) => Code::IdentityMismatch,
-        ProcError::NotSettled(_) => Code::ProcessTreeNotSettled,
-    }
-}
-
 fn json_of<T: Serialize>(v: &T) -> Value {
     serde_json::to_value(v).unwrap_or(Value::Null)
 }
 
 fn proc_problem(e: ProcError) -> Response {
-    let code = proc_code(&e);
+    let code = e.code();
     let mut ext = Map::new();
     let (status, title, detail) = match e {
         ProcError::NotFound => {
@@ -358,7 +263,7 @@ impl IntoResponse for ApiError {
                 "Malformed JSON",
                 d,
             ),
-            Self::Unauthorized => return super::auth::unauthorized(),
+            Self::Unauthorized => return unauthorized(),
             Self::Forbidden(d) => (StatusCode::FORBIDDEN, Code::Forbidden, "Forbidden", d),
             Self::NotFound(d) => (StatusCode::NOT_FOUND, Code::NotFound, "Not found", d),
             Self::PayloadTooLarge => (
@@ -416,7 +321,7 @@ impl IntoResponse for ApiError {
                 d,
             ),
             Self::Lease(e) => {
-                let code = lease_code(&e);
+                let code = e.code();
                 let (title, detail, key, lease): (&str, String, &str, Option<Box<LeaseView>>) = match e {
                     LeaseError::NotFound => {
                         return Self::NotFound("no lease with that id".into()).into_response();
@@ -519,5 +424,21 @@ pub fn problem(
     if status == StatusCode::SERVICE_UNAVAILABLE {
         headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     }
+    res
+}
+
+/// 401 with the `WWW-Authenticate` challenge.
+fn unauthorized() -> Response {
+    let mut res = problem(
+        StatusCode::UNAUTHORIZED,
+        Code::Unauthorized,
+        "Unauthorized",
+        "send Authorization: Bearer <token>",
+        serde_json::Map::new(),
+    );
+    res.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        header::HeaderValue::from_static("Bearer"),
+    );
     res
 }

@@ -60,6 +60,22 @@ pub enum LeaseError {
     NotReserved(Box<LeaseView>),
 }
 
+impl LeaseError {
+    /// The contract's code for this refusal.
+    pub fn code(&self) -> crate::model::Code {
+        use crate::model::Code;
+        match self {
+            Self::NotFound => Code::NotFound,
+            Self::Held(_) => Code::LeaseHeld,
+            Self::OwnerRemote(_) => Code::OwnerRemote,
+            Self::OwnerUnverifiable(_) => Code::OwnerUnverifiable,
+            Self::ParentFenced(_) => Code::ParentFenced,
+            Self::Fenced(_) => Code::Fenced,
+            Self::NotReserved(_) => Code::NotReserved,
+        }
+    }
+}
+
 pub type Outcome<T> = Result<T, LeaseError>;
 
 #[derive(Debug, thiserror::Error)]
@@ -113,7 +129,7 @@ impl Leases {
                 self.metrics
                     .acquired(a.reclaimed.as_ref().map(|r| r.reason.as_str()));
             }
-            Err(e) => self.metrics.lease_refused(e),
+            Err(e) => self.metrics.lease_refused(e.code()),
         }
         Ok(out)
     }
@@ -234,7 +250,7 @@ impl Leases {
 
     fn finish<T>(&self, out: Outcome<T>) -> Result<T, Error> {
         out.map_err(|e| {
-            self.metrics.lease_refused(&e);
+            self.metrics.lease_refused(e.code());
             e.into()
         })
     }

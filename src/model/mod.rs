@@ -1,11 +1,13 @@
 //! Records as the API shows them and the store keeps them.
 
+mod code;
 mod event;
 pub mod int;
 mod port;
 mod process;
 mod shapes;
 
+pub use code::*;
 pub use event::*;
 pub use port::*;
 pub use process::*;

@@ -35,6 +35,25 @@ pub enum ProcError {
     NotSettled(Box<ProcessView>),
 }
 
+impl ProcError {
+    /// The contract's code for this refusal.
+    pub fn code(&self) -> crate::model::Code {
+        use crate::model::Code;
+        match self {
+            Self::NotFound => Code::NotFound,
+            Self::Fenced(_) => Code::Fenced,
+            Self::OperationInProgress(_) => Code::OperationInProgress,
+            Self::LeaseFenced(_) => Code::ParentFenced,
+            Self::ProcessAlive(_) => Code::ProcessAlive,
+            Self::RemoteProcess(_) => Code::RemoteProcess,
+            Self::Forbidden(_) => Code::Forbidden,
+            Self::PortsExhausted => Code::PortsExhausted,
+            Self::IdentityMismatch(_) => Code::IdentityMismatch,
+            Self::NotSettled(_) => Code::ProcessTreeNotSettled,
+        }
+    }
+}
+
 pub type Outcome<T> = std::result::Result<T, ProcError>;
 
 /// The process as the API shows it, with its ports and its identity judged now.
