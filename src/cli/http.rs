@@ -16,8 +16,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::conn::BaseUrl;
 use super::error::CliError;
+use super::url::BaseUrl;
 
 /// 503 answers (`busy`, `unavailable`) are tried again this many times.
 const RETRIES: u32 = 3;

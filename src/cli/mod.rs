@@ -17,6 +17,7 @@ mod process;
 pub mod run;
 mod sse;
 mod table;
+mod url;
 
 use clap::Subcommand;
 
