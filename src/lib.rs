@@ -17,6 +17,7 @@ pub mod reconcile;
 pub mod server;
 pub mod store;
 pub mod time;
+pub mod tx;
 pub mod waiters;
 
 use std::future::Future;

@@ -128,7 +128,7 @@ async fn reserve_ports(
         ));
     }
     for (i, name) in req.names.iter().enumerate() {
-        if !crate::ports::valid_name(name) {
+        if !crate::model::valid_port_name(name) {
             return Err(ApiError::validation(
                 format!("names.{i}"),
                 "a port name must match [a-z][a-z0-9_]{0,31}",
@@ -166,14 +166,14 @@ async fn reserve_ports(
     let range = match req.range {
         // The ports between two bounds, whichever is given first: JSON
         // Schema cannot say which comes first, so the document does not.
-        Some([a, b]) if crate::ports::ALLOWED.contains(&a.min(b)) => a.min(b)..=a.max(b),
+        Some([a, b]) if crate::model::PORTS_ALLOWED.contains(&a.min(b)) => a.min(b)..=a.max(b),
         Some(_) => {
             return Err(ApiError::validation(
                 "range",
                 "range must be two ports within 1024..=65535",
             ));
         }
-        None => crate::ports::DEFAULT_RANGE,
+        None => crate::model::DEFAULT_PORT_RANGE,
     };
     let reservations = state.ports.reserve(owner, req.names, range).await?;
     let ports = reservations

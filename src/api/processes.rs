@@ -248,7 +248,7 @@ async fn create_process(
     }
     let ports = req.ports.unwrap_or_default();
     for (i, name) in ports.iter().enumerate() {
-        if !crate::ports::valid_name(name) {
+        if !crate::model::valid_port_name(name) {
             return Err(ApiError::validation(
                 format!("ports.{i}"),
                 "a port name must match [a-z][a-z0-9_]{0,31}",
@@ -278,7 +278,7 @@ async fn create_process(
     };
     let view = state
         .processes
-        .create(create, crate::ports::DEFAULT_RANGE, caller)
+        .create(create, crate::model::DEFAULT_PORT_RANGE, caller)
         .await?;
     let location = format!("/v1/processes/{}", view.id);
     Ok((

@@ -5,7 +5,7 @@
 pub mod ops;
 pub mod rules;
 
-use crate::store::in_tx;
+use crate::tx::in_tx;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -6,22 +6,14 @@ use serde_json::{Value, json};
 
 use super::rules::{Verdict, expiry, verdict};
 use super::{Acquire, Acquired, LeaseError, Outcome, Reclaimed};
-use crate::host::Host;
 use crate::model::{EventType, Judgement, LeaseRecord, LeaseState, LeaseView, ParentRef};
 use crate::store::{Effect, Result, Tx};
 use crate::time::Millis;
+use crate::tx::Ctx;
 
-/// The state a mutation runs in: one host, one instant.
-#[derive(Clone, Copy)]
-pub struct Ctx<'h> {
-    pub host: &'h dyn Host,
-    pub now: Millis,
-}
-
-impl Ctx<'_> {
-    fn judge(&self, rec: &LeaseRecord) -> Option<Judgement> {
-        rec.owner.as_ref().map(|o| self.host.judge(o))
-    }
+/// The owner of `rec` judged now.
+fn judge(cx: Ctx<'_>, rec: &LeaseRecord) -> Option<Judgement> {
+    rec.owner.as_ref().map(|o| cx.host.judge(o))
 }
 
 fn view(rec: &LeaseRecord, owner: Option<Judgement>, now: Millis) -> Box<LeaseView> {
@@ -55,7 +47,7 @@ async fn end(
     tx.require_durable();
     tx.after_commit(Effect::LeaseEnded(rec.resource.clone()));
     // Reservations end in the same transaction as their owner.
-    crate::ports::ops::release_all(tx, cx, &rec.id).await?;
+    crate::tx::ports::release_all(tx, cx, &rec.id).await?;
     append(
         tx,
         cx.now,
@@ -77,7 +69,7 @@ async fn apply_table(
     if !rec.state.is_current() {
         return Ok((None, None));
     }
-    let owner = cx.judge(rec);
+    let owner = judge(cx, rec);
     let v = verdict(rec, owner, cx.now);
     if let Verdict::End { state, reason } = &v {
         end(tx, cx, rec, owner, *state, reason.clone(), Value::Null).await?;
@@ -119,7 +111,7 @@ pub async fn acquire(tx: &mut dyn Tx, cx: Ctx<'_>, cmd: Acquire) -> Result<Outco
     };
     let mut reclaimed = None;
     if let Some(mut cur) = tx.current_lease(&cmd.resource).await? {
-        let owner = cx.judge(&cur);
+        let owner = judge(cx, &cur);
         match verdict(&cur, owner, cx.now) {
             Verdict::Held => return Ok(Err(LeaseError::Held(view(&cur, owner, cx.now)))),
             Verdict::OwnerRemote => {
@@ -163,7 +155,7 @@ pub async fn acquire(tx: &mut dyn Tx, cx: Ctx<'_>, cmd: Acquire) -> Result<Outco
         metadata: cmd.metadata,
     };
     tx.insert_lease(&rec).await?;
-    let lease = LeaseView::new(rec.clone(), cx.judge(&rec), cx.now);
+    let lease = LeaseView::new(rec.clone(), judge(cx, &rec), cx.now);
     let detail = match &reclaimed {
         Some(r) => json!({ "reclaimed": r }),
         None => Value::Null,
@@ -246,7 +238,7 @@ pub async fn activate(
     rec.expires_at = expiry(rec.ttl_ms, cx.now);
     rec.renewed_at = Some(cx.now);
     tx.update_lease(&rec).await?;
-    let lease = LeaseView::new(rec.clone(), cx.judge(&rec), cx.now);
+    let lease = LeaseView::new(rec.clone(), judge(cx, &rec), cx.now);
     append(tx, cx.now, EventType::LeaseActivated, &lease, Value::Null).await?;
     Ok(Ok(lease))
 }
@@ -261,7 +253,7 @@ pub async fn release(
         return Ok(Err(LeaseError::NotFound));
     };
     if rec.state == LeaseState::Released && rec.token == token {
-        return Ok(Ok(*view(&rec, cx.judge(&rec), cx.now)));
+        return Ok(Ok(*view(&rec, judge(cx, &rec), cx.now)));
     }
     let (mut rec, owner) = match fenced_current(tx, cx, id, token).await? {
         Ok(found) => found,
@@ -291,7 +283,7 @@ pub async fn break_lease(
     let Some(mut rec) = tx.lease(id).await? else {
         return Ok(Err(LeaseError::NotFound));
     };
-    let owner = cx.judge(&rec);
+    let owner = judge(cx, &rec);
     if !rec.state.is_current() {
         return Ok(Err(LeaseError::Fenced(view(&rec, owner, cx.now))));
     }

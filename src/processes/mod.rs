@@ -5,7 +5,7 @@
 pub mod ops;
 pub mod stop;
 
-use crate::store::in_tx;
+use crate::tx::in_tx;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
@@ -166,7 +166,7 @@ impl Processes {
             if i == 0 {
                 env.insert("PORT".into(), port.clone());
             }
-            env.insert(crate::ports::env_var(name), port);
+            env.insert(crate::model::port_env_var(name), port);
         }
         let spec = SpawnSpec {
             argv: cmd.argv,

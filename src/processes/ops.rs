@@ -9,14 +9,15 @@ use serde_json::{Value, json};
 use crate::caller::Caller;
 use crate::events::{Subject, append};
 use crate::host::signal::OwnIds;
-use crate::leases::ops::{Ctx, current_parent};
+use crate::leases::ops::current_parent;
 use crate::leases::{LeaseError, rules::expiry};
 use crate::model::{
     Command, EventType, Exit, Identity, Liveness, Logs, PortOwner, ProcessRecord, ProcessState,
     ProcessView, TokenRef,
 };
-use crate::ports::ops as ports;
 use crate::store::{Result, Tx};
+use crate::tx::Ctx;
+use crate::tx::ports;
 
 /// A refusal the contract names; the store's state is still committed.
 #[derive(Debug, Clone)]

@@ -93,27 +93,6 @@ pub trait Tx: Send {
     fn require_durable(&mut self);
 }
 
-/// Run `$body` in a write transaction of `$self.store`, with a `Ctx` on
-/// `$self.host` at the instant the transaction runs (not when it was asked).
-macro_rules! in_tx {
-    ($self:ident, $durable:expr, |$tx:ident, $cx:ident| $body:expr) => {{
-        let host = $self.host.clone();
-        $self
-            .store
-            .write($durable, move |$tx| {
-                Box::pin(async move {
-                    let $cx = $crate::leases::ops::Ctx {
-                        host: host.as_ref(),
-                        now: $crate::time::now_ms(),
-                    };
-                    $body.await
-                })
-            })
-            .await
-    }};
-}
-pub(crate) use in_tx;
-
 pub type JobOutput = Box<dyn Any + Send>;
 pub type JobFn = Box<dyn for<'t> FnOnce(&'t mut dyn Tx) -> BoxFuture<'t, Result<JobOutput>> + Send>;
 
