@@ -471,34 +471,26 @@ pub async fn resume(tx: &mut dyn Tx, id: &str) -> Result<()> {
     Ok(())
 }
 
-/// Why the reconciler would claim `rec`: its lease ended, or its heartbeat
-/// TTL passed while its owner is not live.
+/// Why the reconciler would claim `rec`, read inside the transaction.
 pub async fn claim_reason(
     tx: &mut dyn Tx,
     cx: Ctx<'_>,
     rec: &ProcessRecord,
 ) -> Result<Option<&'static str>> {
-    if !matches!(
-        rec.state,
-        ProcessState::Starting | ProcessState::Running | ProcessState::Stopping
-    ) {
+    if !super::rules::may_be_claimed(rec.state) {
         return Ok(None);
     }
-    if let Some(l) = &rec.lease {
-        let lease = tx.lease(&l.id).await?;
-        if !lease.is_some_and(|x| x.state.is_current() && x.token == l.token) {
-            return Ok(Some("lease_ended"));
-        }
-    }
-    let ttl_passed = rec.expires_at.is_some_and(|at| cx.now >= at);
-    let owner_live = rec
-        .owner
-        .as_ref()
-        .is_some_and(|o| cx.host.judge(o).status == Liveness::Live);
-    if ttl_passed && !owner_live {
-        return Ok(Some("heartbeat_expired"));
-    }
-    Ok(None)
+    let lease = match &rec.lease {
+        Some(l) => tx.lease(&l.id).await?,
+        None => None,
+    };
+    let owner = rec.owner.as_ref().map(|o| cx.host.judge(o));
+    Ok(super::rules::claim_reason(
+        rec,
+        lease.as_ref(),
+        owner,
+        cx.now,
+    ))
 }
 
 /// The reconciler claims `id` if it still must: a new token fences the old

@@ -1,0 +1,169 @@
+//! The reconciler's side of managed processes: adopting this host's
+//! processes at startup, ending those gone unnoticed, and claiming and
+//! stopping orphans. The request paths are in `mod.rs`.
+
+use std::sync::{Arc, PoisonError};
+
+use super::ops::{self, Stopped};
+use super::stop::{StopParams, stop_tree};
+use super::{DEFAULT_GRACE, Processes, rules};
+use crate::host::signal;
+use crate::model::{Exit, ProcessRecord, ProcessState};
+use crate::store::StoreError;
+use crate::tx::in_tx;
+
+impl Processes {
+    /// At startup: watch the processes of this host that still run, and
+    /// end those that exited while the server was down.
+    pub async fn adopt(self: &Arc<Self>) -> Result<(), StoreError> {
+        for rec in self
+            .store
+            .backend()
+            .current_processes(&self.host_id())
+            .await?
+        {
+            if rec.state == ProcessState::Stopping {
+                let id = rec.id.clone();
+                in_tx!(self, true, |tx, _cx| ops::resume(tx, &id))?;
+            }
+            if rec.state == ProcessState::Starting && rec.spawned {
+                // The server stopped between recording and starting it.
+                let id = rec.id.clone();
+                let reason = "spawn_failed: the server restarted while spawning".to_owned();
+                in_tx!(self, true, |tx, cx| ops::spawn_failed(tx, cx, &id, reason))?;
+            }
+            if rec.identity.is_some()
+                && matches!(rec.state, ProcessState::Running | ProcessState::Stopping)
+            {
+                self.watch(&rec);
+            }
+        }
+        Ok(())
+    }
+
+    /// The reconciler's pass: claim and stop orphans, retry orphans that
+    /// would not die, and end records whose process is gone unnoticed.
+    pub async fn reconcile(self: &Arc<Self>) -> Result<usize, StoreError> {
+        let mut claimed = 0;
+        for rec in self
+            .store
+            .backend()
+            .current_processes(&self.host_id())
+            .await?
+        {
+            if self
+                .claiming
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains(&rec.id)
+            {
+                continue;
+            }
+            if self.gone_unnoticed(&rec) {
+                // Its exit was missed (a watcher could not be set up): end it now.
+                let (id, token, pid) = (rec.id.clone(), rec.token, rec.pid().unwrap_or_default());
+                let outcome = ops::Stopped::Settled(Exit::default());
+                match rec.state {
+                    ProcessState::Running => {
+                        in_tx!(self, true, |tx, cx| ops::exited(
+                            tx,
+                            cx,
+                            &id,
+                            pid,
+                            Exit::default(),
+                            "exited"
+                        ))?;
+                    }
+                    _ => {
+                        in_tx!(self, true, |tx, cx| ops::end_stop(
+                            tx, cx, &id, token, outcome, None
+                        ))?
+                        .ok();
+                    }
+                }
+                continue;
+            }
+            let orphan = if rec.state == ProcessState::Orphaned {
+                Some(rec)
+            } else if self.claimable(&rec).await? {
+                // Re-checked inside the transaction.
+                let id = rec.id.clone();
+                let c = in_tx!(self, true, |tx, cx| ops::claim(tx, cx, &id))?;
+                claimed += usize::from(c.is_some());
+                c
+            } else {
+                None
+            };
+            if let Some(orphan) = orphan {
+                self.stop_orphan(orphan);
+            }
+        }
+        Ok(claimed)
+    }
+
+    /// A running or stopping record whose process and group are provably gone.
+    fn gone_unnoticed(&self, rec: &ProcessRecord) -> bool {
+        let Some(ident) = &rec.identity else {
+            return false;
+        };
+        matches!(rec.state, ProcessState::Running | ProcessState::Stopping)
+            && self.host.judge(ident).status == crate::model::Liveness::Dead
+            && !rec.pgid().is_some_and(signal::group_alive)
+    }
+
+    /// Whether `rec` looks claimable from outside a transaction: its lease
+    /// ended, or its TTL passed while its owner is not live. Cheap reads, so
+    /// that a pass writes only for records that need it.
+    async fn claimable(&self, rec: &ProcessRecord) -> Result<bool, StoreError> {
+        if !rules::may_be_claimed(rec.state) {
+            return Ok(false);
+        }
+        let lease = match &rec.lease {
+            Some(l) => self.store.backend().get_lease(&l.id).await?,
+            None => None,
+        };
+        let owner = rec.owner.as_ref().map(|o| self.host.judge(o));
+        Ok(rules::claim_reason(rec, lease.as_ref(), owner, crate::time::now_ms()).is_some())
+    }
+
+    fn stop_orphan(self: &Arc<Self>, rec: ProcessRecord) {
+        self.claiming
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(rec.id.clone());
+        let me = self.clone();
+        tokio::spawn(async move {
+            let params = StopParams {
+                grace: DEFAULT_GRACE,
+                force: true,
+                reason: "orphan_reconciled".into(),
+            };
+            let outcome = stop_tree(me.host.as_ref(), &rec, &params).await;
+            let outcome = me.with_child_exit(&rec.id, outcome).await;
+            let (id, token) = (rec.id.clone(), rec.token);
+            let first_failure = outcome == Stopped::NotSettled
+                && me
+                    .kill_failed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(rec.id.clone());
+            if let Err(e) = in_tx!(me, true, |tx, cx| ops::end_orphan(
+                tx,
+                cx,
+                &id,
+                token,
+                outcome,
+                first_failure
+            )) {
+                tracing::warn!(process = %rec.id, error = %e, "recording an orphan's stop failed");
+            }
+            if outcome == Stopped::NotSettled {
+                tracing::warn!(process = %rec.id, "orphan's process tree did not settle; will retry");
+            }
+            me.claiming
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&rec.id);
+        });
+    }
+}

@@ -1,0 +1,151 @@
+//! Process lifecycle rules as pure functions of (record, what was read, now).
+
+use crate::model::{Judgement, LeaseRecord, Liveness, ProcessRecord, ProcessState};
+use crate::time::Millis;
+
+/// Whether a record in `state` is one the reconciler may claim at all.
+pub fn may_be_claimed(state: ProcessState) -> bool {
+    matches!(
+        state,
+        ProcessState::Starting | ProcessState::Running | ProcessState::Stopping
+    )
+}
+
+/// Why the reconciler claims `rec`, if it must: its owning lease ended
+/// (`lease` is that lease as read now, None when there is none), or its
+/// heartbeat TTL passed while its owner (judged as `owner`) is not live.
+pub fn claim_reason(
+    rec: &ProcessRecord,
+    lease: Option<&LeaseRecord>,
+    owner: Option<Judgement>,
+    now: Millis,
+) -> Option<&'static str> {
+    if !may_be_claimed(rec.state) {
+        return None;
+    }
+    if let Some(l) = &rec.lease
+        && !lease.is_some_and(|x| x.id == l.id && x.state.is_current() && x.token == l.token)
+    {
+        return Some("lease_ended");
+    }
+    let ttl_passed = rec.expires_at.is_some_and(|at| now >= at);
+    let owner_live = owner.is_some_and(|j| j.status == Liveness::Live);
+    (ttl_passed && !owner_live).then_some("heartbeat_expired")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Exit, LeaseState, LivenessReason, TokenRef};
+
+    const NOW: Millis = 1_000_000;
+
+    fn process(state: ProcessState) -> ProcessRecord {
+        ProcessRecord {
+            id: "p".into(),
+            kind: "job".into(),
+            state,
+            token: 1,
+            operation_id: None,
+            lease: None,
+            host_id: "h".into(),
+            identity: None,
+            owner: None,
+            spawned: true,
+            command: None,
+            logs: None,
+            exit: Exit::default(),
+            ttl_ms: None,
+            expires_at: None,
+            created_at: 0,
+            started_at: None,
+            ended_at: None,
+            end_reason: None,
+            metadata: Default::default(),
+        }
+    }
+
+    fn lease(state: LeaseState, token: i64) -> LeaseRecord {
+        LeaseRecord {
+            id: "l".into(),
+            resource: "r".into(),
+            token,
+            holder: "h".into(),
+            state,
+            owner: None,
+            parent: None,
+            ttl_ms: None,
+            expires_at: None,
+            acquired_at: 0,
+            renewed_at: None,
+            ended_at: None,
+            end_reason: None,
+            metadata: Default::default(),
+        }
+    }
+
+    fn owned(token: i64) -> ProcessRecord {
+        let mut p = process(ProcessState::Running);
+        p.lease = Some(TokenRef {
+            id: "l".into(),
+            token,
+        });
+        p
+    }
+
+    fn kept(expires_at: Millis) -> ProcessRecord {
+        let mut p = process(ProcessState::Running);
+        p.ttl_ms = Some(1000);
+        p.expires_at = Some(expires_at);
+        p
+    }
+
+    #[test]
+    fn a_process_goes_with_its_lease() {
+        let current = lease(LeaseState::Active, 3);
+        assert_eq!(claim_reason(&owned(3), Some(&current), None, NOW), None);
+        let cases = [
+            (Some(lease(LeaseState::Released, 3)), "ended"),
+            (Some(lease(LeaseState::Active, 4)), "a newer token"),
+            (None, "gone"),
+        ];
+        for (l, why) in cases {
+            assert_eq!(
+                claim_reason(&owned(3), l.as_ref(), None, NOW),
+                Some("lease_ended"),
+                "{why}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_ttl_counts_only_while_its_owner_is_not_live() {
+        let live = Some(Judgement::LIVE);
+        let dead = Some(Judgement::dead(LivenessReason::PidAbsent));
+        assert_eq!(claim_reason(&kept(NOW + 1), None, None, NOW), None);
+        assert_eq!(claim_reason(&kept(NOW), None, live, NOW), None);
+        for owner in [None, dead] {
+            assert_eq!(
+                claim_reason(&kept(NOW), None, owner, NOW),
+                Some("heartbeat_expired")
+            );
+        }
+    }
+
+    #[test]
+    fn only_current_unclaimed_records_are_claimed() {
+        for state in [
+            ProcessState::Orphaned,
+            ProcessState::Exited,
+            ProcessState::Stopped,
+            ProcessState::Failed,
+        ] {
+            let mut p = kept(0);
+            p.state = state;
+            assert_eq!(claim_reason(&p, None, None, NOW), None, "{state:?}");
+        }
+        let mut p = kept(0);
+        p.state = ProcessState::Starting;
+        assert_eq!(claim_reason(&p, None, None, NOW), Some("heartbeat_expired"));
+    }
+}
