@@ -3,9 +3,13 @@
 
 use serde_json::{Value, json};
 
-use crate::model::{EventType, LeaseView, PortRecord, ProcessView};
-use crate::store::{Result, Tx};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crate::model::{EventRow, EventType, LeaseView, PortRecord, ProcessView};
+use crate::store::{Result, Store, StoreError, Tx};
 use crate::time::{Millis, rfc3339};
+use crate::waiters::Hub;
 
 /// The record an event is about.
 pub enum Subject<'a> {
@@ -31,4 +35,70 @@ pub async fn append(
         "process": process, "port": port, "detail": detail,
     });
     tx.append_event(now, body.to_string()).await
+}
+
+/// Reading the log: pages after a cursor, and never a silent hole where
+/// retention removed what a reader had not read yet.
+#[derive(Clone)]
+pub struct EventLog {
+    store: Store,
+    hub: Arc<Hub>,
+}
+
+#[derive(Debug)]
+pub enum ReadError {
+    /// Retention removed events after the reader's cursor.
+    Pruned {
+        oldest_seq: i64,
+    },
+    Store(StoreError),
+}
+
+impl From<StoreError> for ReadError {
+    fn from(e: StoreError) -> Self {
+        Self::Store(e)
+    }
+}
+
+impl EventLog {
+    pub fn new(store: Store, hub: Arc<Hub>) -> Self {
+        Self { store, hub }
+    }
+
+    /// The oldest seq retention kept, as this server last learnt it.
+    pub fn oldest_kept(&self) -> i64 {
+        self.hub.pruned_through.load(Ordering::SeqCst) + 1
+    }
+
+    /// `Pruned` when events after `after` were removed by retention.
+    pub fn check_not_pruned(&self, after: i64) -> std::result::Result<(), ReadError> {
+        let oldest_seq = self.oldest_kept();
+        if after + 1 < oldest_seq {
+            return Err(ReadError::Pruned { oldest_seq });
+        }
+        Ok(())
+    }
+
+    /// Events after `after`, oldest first. A gap after `after` means
+    /// retention removed some, perhaps on another host of a fleet since
+    /// this one last looked: then the watermark is read again and the
+    /// reader gets `Pruned`, never a silent hole in its history.
+    pub async fn read(
+        &self,
+        after: i64,
+        limit: u32,
+    ) -> std::result::Result<Vec<EventRow>, ReadError> {
+        let rows = self.store.backend().events(after, limit).await?;
+        if rows.first().is_some_and(|r| r.seq != after + 1) {
+            let pruned = self.store.backend().pruned_through().await?;
+            self.hub.pruned_through.fetch_max(pruned, Ordering::SeqCst);
+            self.check_not_pruned(after)?;
+        }
+        Ok(rows)
+    }
+
+    /// The newest committed seq, as it changes.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<i64> {
+        self.hub.subscribe_events()
+    }
 }

@@ -130,6 +130,7 @@ impl App {
             leases,
             processes,
             ports,
+            events: events::EventLog::new(store.clone(), hub.clone()),
             store,
             hub,
             metrics,

@@ -100,6 +100,15 @@ impl ApiError {
     }
 }
 
+impl From<crate::events::ReadError> for ApiError {
+    fn from(e: crate::events::ReadError) -> Self {
+        match e {
+            crate::events::ReadError::Pruned { oldest_seq } => Self::EventsPruned { oldest_seq },
+            crate::events::ReadError::Store(s) => s.into(),
+        }
+    }
+}
+
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {

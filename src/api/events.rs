@@ -1,7 +1,5 @@
 //! `/v1/events`: the ordered log of every state change.
 
-use std::sync::atomic::Ordering;
-
 use axum::extract::State;
 use axum::http::{HeaderMap, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -15,7 +13,9 @@ use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::Params;
 use super::validate;
+use crate::events::ReadError;
 use crate::model::{EventRow, EventType, LeaseView, PortRecord, ProcessView};
+use crate::store::StoreError;
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -119,10 +119,10 @@ async fn list_events(
     if sse {
         return open_stream(state, &headers, after);
     }
-    check_not_pruned(&state, after)?;
+    state.events.check_not_pruned(after)?;
     // Subscribe before reading, so an event committed in between still wakes us.
-    let mut newest = state.hub.subscribe_events();
-    let mut rows = read_events(&state, after, limit).await?;
+    let mut newest = state.events.subscribe();
+    let mut rows = state.events.read(after, limit).await?;
     if rows.is_empty() && wait_ms > 0 {
         let _permit = state
             .hub
@@ -136,7 +136,7 @@ async fn list_events(
             .await
             .is_ok_and(|r| r.is_ok());
         if woken {
-            rows = read_events(&state, after, limit).await?;
+            rows = state.events.read(after, limit).await?;
         }
     }
     let mut out = String::from("{\"items\":[");
@@ -191,7 +191,7 @@ fn open_stream(state: AppState, headers: &HeaderMap, mut after: i64) -> Result<R
                 ApiError::validation("Last-Event-ID", "Last-Event-ID must be an event seq")
             })?;
     }
-    check_not_pruned(&state, after)?;
+    state.events.check_not_pruned(after)?;
     let permit = state
         .hub
         .waiting
@@ -209,30 +209,6 @@ fn with_seq(row: &EventRow) -> String {
         row.seq,
         row.payload.get(1..).unwrap_or("}")
     )
-}
-
-fn check_not_pruned(state: &AppState, after: i64) -> Result<(), ApiError> {
-    let pruned = state.hub.pruned_through.load(Ordering::SeqCst);
-    if after < pruned {
-        return Err(ApiError::EventsPruned {
-            oldest_seq: pruned + 1,
-        });
-    }
-    Ok(())
-}
-
-/// Events after `after`. A gap after `after` means retention removed some,
-/// perhaps on another host of a fleet since this one last looked: then the
-/// watermark is read again and the reader gets `events_pruned`, never a
-/// silent hole in its history.
-async fn read_events(state: &AppState, after: i64, limit: u32) -> Result<Vec<EventRow>, ApiError> {
-    let rows = state.store.backend().events(after, limit).await?;
-    if rows.first().is_some_and(|r| r.seq != after + 1) {
-        let pruned = state.store.backend().pruned_through().await?;
-        state.hub.pruned_through.fetch_max(pruned, Ordering::SeqCst);
-        check_not_pruned(state, after)?;
-    }
-    Ok(rows)
 }
 
 /// The event type, read back from the stored body for the SSE `event:` line.
@@ -261,7 +237,7 @@ fn stream(
     after: i64,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) -> impl IntoResponse {
-    let newest = state.hub.subscribe_events();
+    let newest = state.events.subscribe();
     let cursor = Cursor {
         state,
         after,
@@ -283,9 +259,9 @@ fn stream(
                     .data(with_seq(&row));
                 return Some((Ok::<_, std::convert::Infallible>(event), c));
             }
-            if check_not_pruned(&c.state, c.after).is_err() {
+            if c.state.events.check_not_pruned(c.after).is_err() {
                 c.done = true;
-                let oldest = c.state.hub.pruned_through.load(Ordering::SeqCst) + 1;
+                let oldest = c.state.events.oldest_kept();
                 let data = serde_json::json!({"code": "events_pruned", "oldest_seq": oldest,
                     "detail": "the client fell behind what retention keeps; reconnect from oldest_seq"});
                 return Some((
@@ -293,21 +269,20 @@ fn stream(
                     c,
                 ));
             }
-            match read_events(&c.state, c.after, 500).await {
+            match c.state.events.read(c.after, 500).await {
                 Ok(rows) if !rows.is_empty() => c.pending.extend(rows),
-                Err(ApiError::EventsPruned { .. }) => continue,
+                Err(ReadError::Pruned { .. }) => continue,
                 Ok(_) => {
                     let after = c.after;
                     if c.newest.wait_for(|seq| *seq > after).await.is_err() {
                         return None;
                     }
                 }
-                Err(e) => {
+                Err(ReadError::Store(e)) => {
                     c.done = true;
                     let detail = match e {
-                        ApiError::Unavailable(d) | ApiError::Internal(d) => d,
-                        ApiError::Busy => "the store is busy".into(),
-                        other => format!("{other:?}"),
+                        StoreError::Unavailable(d) | StoreError::Other(d) => d,
+                        StoreError::Busy => "the store is busy".into(),
                     };
                     let data = serde_json::json!({"code": "unavailable", "detail": detail});
                     return Some((

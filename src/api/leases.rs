@@ -156,11 +156,6 @@ pub struct LeaseList {
     pub next_cursor: Option<String>,
 }
 
-fn view(state: &AppState, rec: crate::model::LeaseRecord) -> LeaseView {
-    let owner = rec.owner.as_ref().map(|o| state.leases.host().judge(o));
-    LeaseView::new(rec, owner, crate::time::now_ms())
-}
-
 /// Acquire a lease.
 #[utoipa::path(
     post, path = "/v1/leases", tag = "leases",
@@ -245,9 +240,10 @@ async fn get_lease(
     Path(id): Path<String>,
 ) -> Result<Json<LeaseView>, ApiError> {
     let id = validate::id("lease", &id)?;
-    let rec = state.store.backend().get_lease(&id).await?;
-    let rec = rec.ok_or_else(|| ApiError::NotFound(format!("no lease with id {id}")))?;
-    Ok(Json(view(&state, rec)))
+    let lease = state.leases.get(&id).await?;
+    lease
+        .map(Json)
+        .ok_or_else(|| ApiError::NotFound(format!("no lease with id {id}")))
 }
 
 /// List leases, newest first.
@@ -273,9 +269,8 @@ async fn list_leases(
         limit: page.fetch,
         before_id: page.after,
     };
-    let recs = state.store.backend().list_leases(&filter).await?;
-    let (recs, next_cursor) = paging::finish(recs, page.limit, |r| r.id.clone());
-    let items = recs.into_iter().map(|r| view(&state, r)).collect();
+    let leases = state.leases.list(&filter).await?;
+    let (items, next_cursor) = paging::finish(leases, page.limit, |l| l.id.clone());
     Ok(Json(LeaseList { items, next_cursor }))
 }
 

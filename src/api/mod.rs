@@ -47,6 +47,7 @@ pub struct Services {
     pub processes: Arc<crate::processes::Processes>,
     pub ports: crate::ports::Ports,
     pub store: Store,
+    pub events: crate::events::EventLog,
     pub hub: Arc<crate::waiters::Hub>,
     pub metrics: Arc<Metrics>,
     pub openapi: Arc<String>,

@@ -329,12 +329,8 @@ async fn list_processes(
         limit: page.fetch,
         before_id: page.after,
     };
-    let recs = state.store.backend().list_processes(&filter).await?;
-    let (recs, next_cursor) = paging::finish(recs, page.limit, |r| r.id.clone());
-    let mut items = Vec::with_capacity(recs.len());
-    for rec in recs {
-        items.push(state.processes.with_ports(rec).await?);
-    }
+    let processes = state.processes.list(&filter).await?;
+    let (items, next_cursor) = paging::finish(processes, page.limit, |p| p.id.clone());
     Ok(Json(ProcessList { items, next_cursor }))
 }
 
@@ -489,9 +485,10 @@ async fn get_process_logs(
     validate::in_range("offset", offset, 0..=i64::MAX)?;
     let limit = q.limit.unwrap_or(65_536);
     validate::in_range("limit", limit, 1..=LOG_LIMIT_MAX)?;
-    let rec = state.store.backend().get_process(&id).await?;
-    let logs = rec
-        .and_then(|r| r.logs)
+    let logs = state
+        .processes
+        .logs(&id)
+        .await?
         .ok_or_else(|| ApiError::NotFound(format!("no spawned process with id {id}")))?;
     let path = match q.stream.unwrap_or_default() {
         Stream::Stdout => logs.stdout,

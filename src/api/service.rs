@@ -51,11 +51,10 @@ pub struct Readiness {
     )
 )]
 async fn get_readiness(State(state): State<AppState>) -> Result<Json<Readiness>, ApiError> {
-    let store = state.store.backend();
-    store.check_writable().await?;
+    let store = state.store.ready().await?;
     Ok(Json(Readiness {
         status: "ok",
-        store: store.kind(),
+        store,
     }))
 }
 
@@ -65,8 +64,8 @@ async fn get_readiness(State(state): State<AppState>) -> Result<Json<Readiness>,
     responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
 )]
 async fn get_metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
-    let leases = state.store.backend().count_current_leases().await?;
-    let processes = state.store.backend().count_current_processes().await?;
+    let leases = state.leases.count_current().await?;
+    let processes = state.processes.count_current().await?;
     Ok((
         [(
             header::CONTENT_TYPE,

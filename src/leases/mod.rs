@@ -15,7 +15,7 @@ use utoipa::ToSchema;
 
 use crate::host::Host;
 use crate::metrics::Metrics;
-use crate::model::{Identity, LeaseView, Liveness};
+use crate::model::{Identity, LeaseFilter, LeaseRecord, LeaseView, Liveness};
 use crate::store::{Store, StoreError};
 use crate::time::now_ms;
 use crate::waiters::Waiters;
@@ -120,6 +120,27 @@ impl Leases {
 
     pub fn host(&self) -> &dyn Host {
         self.host.as_ref()
+    }
+
+    fn view(&self, rec: LeaseRecord) -> LeaseView {
+        let owner = rec.owner.as_ref().map(|o| self.host.judge(o));
+        LeaseView::new(rec, owner, now_ms())
+    }
+
+    /// One lease, current or ended, its owner judged now.
+    pub async fn get(&self, id: &str) -> Result<Option<LeaseView>, StoreError> {
+        let rec = self.store.backend().get_lease(id).await?;
+        Ok(rec.map(|r| self.view(r)))
+    }
+
+    /// Leases that match `filter`, newest first, their owners judged now.
+    pub async fn list(&self, filter: &LeaseFilter) -> Result<Vec<LeaseView>, StoreError> {
+        let recs = self.store.backend().list_leases(filter).await?;
+        Ok(recs.into_iter().map(|r| self.view(r)).collect())
+    }
+
+    pub async fn count_current(&self) -> Result<i64, StoreError> {
+        self.store.backend().count_current_leases().await
     }
 
     async fn try_acquire(&self, cmd: Acquire) -> Result<Outcome<Acquired>, StoreError> {

@@ -19,7 +19,8 @@ use crate::host::Host;
 use crate::host::signal::{self, OwnIds, Verified};
 use crate::host::spawn::{Reaper, SpawnSpec, check_program};
 use crate::model::{
-    Command, Exit, Identity, Logs, ProcessRecord, ProcessState, ProcessView, TokenRef,
+    Command, Exit, Identity, Logs, ProcessFilter, ProcessRecord, ProcessState, ProcessView,
+    TokenRef,
 };
 use crate::store::{Store, StoreError};
 use ops::{Create, ProcError, StopStart, Stopped};
@@ -296,12 +297,48 @@ impl Processes {
         let Some(rec) = self.store.backend().get_process(id).await? else {
             return Ok(None);
         };
-        Ok(Some(self.with_ports(rec).await?))
+        Ok(self.with_ports(vec![rec]).await?.pop())
     }
 
-    pub async fn with_ports(&self, rec: ProcessRecord) -> Result<ProcessView, StoreError> {
-        let ports = self.store.backend().owner_ports(&rec.id).await?;
-        Ok(self.view(rec, ports.into_iter().map(|p| (p.name, p.port)).collect()))
+    /// Processes that match `filter`, newest first, as they are now.
+    pub async fn list(&self, filter: &ProcessFilter) -> Result<Vec<ProcessView>, StoreError> {
+        let recs = self.store.backend().list_processes(filter).await?;
+        self.with_ports(recs).await
+    }
+
+    /// Where the output of process `id` is written, if the server spawned it.
+    pub async fn logs(&self, id: &str) -> Result<Option<Logs>, StoreError> {
+        Ok(self
+            .store
+            .backend()
+            .get_process(id)
+            .await?
+            .and_then(|r| r.logs))
+    }
+
+    /// Views of `recs`, with the ports of all of them read in one query.
+    async fn with_ports(&self, recs: Vec<ProcessRecord>) -> Result<Vec<ProcessView>, StoreError> {
+        let ids: Vec<String> = recs.iter().map(|r| r.id.clone()).collect();
+        let mut ports: HashMap<String, BTreeMap<String, u16>> = HashMap::new();
+        for p in self.store.backend().owner_ports(&ids).await? {
+            if let Some(owner) = p.owner.target() {
+                ports
+                    .entry(owner.id.clone())
+                    .or_default()
+                    .insert(p.name, p.port);
+            }
+        }
+        Ok(recs
+            .into_iter()
+            .map(|rec| {
+                let mine = ports.remove(&rec.id).unwrap_or_default();
+                self.view(rec, mine)
+            })
+            .collect())
+    }
+
+    pub async fn count_current(&self) -> Result<i64, StoreError> {
+        self.store.backend().count_current_processes().await
     }
 
     /// The identity of `pid`, if the server and `caller` may act on it.

@@ -126,7 +126,9 @@ pub trait Backend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>>;
     fn count_current_processes(&self) -> BoxFuture<'_, Result<i64>>;
     /// Current reservations of `owner_id` (a lease or process id).
-    fn owner_ports<'a>(&'a self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>>;
+    /// The current reservations of all of `owner_ids` in one query, by owner then name.
+    fn owner_ports<'a>(&'a self, owner_ids: &'a [String])
+    -> BoxFuture<'a, Result<Vec<PortRecord>>>;
     /// Current reservations, lowest port first, after `after_port`.
     fn list_ports<'a>(
         &'a self,
@@ -176,5 +178,11 @@ impl Store {
 
     pub fn backend(&self) -> &dyn Backend {
         self.backend.as_ref()
+    }
+
+    /// The store's kind (`sqlite`, `postgres`) once it proves writable.
+    pub async fn ready(&self) -> Result<&'static str> {
+        self.backend.check_writable().await?;
+        Ok(self.backend.kind())
     }
 }

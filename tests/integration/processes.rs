@@ -531,3 +531,37 @@ async fn stop_after_pid_reuse_signals_nothing_and_says_identity_mismatch() {
     let _ = impostor.start_kill();
     let _ = impostor.wait().await;
 }
+
+stores!(a_page_of_processes_shows_each_ones_own_ports);
+async fn a_page_of_processes_shows_each_ones_own_ports() {
+    let s = Server::start().await;
+    let a = s
+        .spawn(json!({"kind": "job", "ports": ["http", "debug"], "command": {"argv": ["sleep", "30"]}}))
+        .await;
+    let b = s
+        .spawn(json!({"kind": "job", "ports": ["db"], "command": {"argv": ["sleep", "30"]}}))
+        .await;
+    let c = s
+        .spawn(json!({"kind": "job", "command": {"argv": ["sleep", "30"]}}))
+        .await;
+    let page = s.get("/v1/processes").await;
+    assert_eq!(page.status, StatusCode::OK);
+    let items = page.body["items"].as_array().expect("items");
+    let ports_of = |p: &serde_json::Value| {
+        items
+            .iter()
+            .find(|i| i["id"] == p["id"])
+            .map(|i| i["ports"].clone())
+            .expect("listed")
+    };
+    assert_eq!(ports_of(&a), a["ports"]);
+    assert_eq!(ports_of(&b), b["ports"]);
+    assert_eq!(ports_of(&c), json!({}));
+    assert_eq!(a["ports"].as_object().map(|m| m.len()), Some(2));
+    for p in [&a, &b, &c] {
+        let r = s
+            .process_op(&id(p), "stop", json!({"token": p["token"]}))
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+}

@@ -186,8 +186,13 @@ impl Backend for PgStore {
         )
     }
 
-    fn owner_ports<'a>(&'a self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        Box::pin(async move { rows_process::ports_of(&mut *self.conn().await?, owner_id).await })
+    fn owner_ports<'a>(
+        &'a self,
+        owner_ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+        Box::pin(
+            async move { rows_process::ports_of_owners(&mut *self.conn().await?, owner_ids).await },
+        )
     }
 
     fn list_ports<'a>(

@@ -254,6 +254,17 @@ pub async fn ports_of(c: &mut PgConnection, owner_id: &str) -> Result<Vec<PortRe
     ports(sqlx::query(&sql).bind(owner_id), c).await
 }
 
+pub async fn ports_of_owners(
+    c: &mut PgConnection,
+    owner_ids: &[String],
+) -> Result<Vec<PortRecord>> {
+    let sql = format!(
+        "SELECT {PORT_COLS} FROM ports WHERE owner_id = ANY($1) AND released_at IS NULL \
+         ORDER BY owner_id, name"
+    );
+    ports(sqlx::query(&sql).bind(owner_ids), c).await
+}
+
 pub async fn release_port(c: &mut PgConnection, id: &str, at: Millis) -> Result<()> {
     sqlx::query("UPDATE ports SET released_at = $1 WHERE id = $2 AND released_at IS NULL")
         .bind(at)

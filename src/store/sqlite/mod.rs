@@ -201,11 +201,14 @@ impl Backend for SqliteStore {
         Box::pin(self.reads.with(rows_process::count_current_processes))
     }
 
-    fn owner_ports<'a>(&'a self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        let owner_id = owner_id.to_owned();
+    fn owner_ports<'a>(
+        &'a self,
+        owner_ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+        let owner_ids = owner_ids.to_vec();
         Box::pin(
             self.reads
-                .with(move |c| rows_process::ports_of(c, &owner_id)),
+                .with(move |c| rows_process::ports_of_owners(c, &owner_ids)),
         )
     }
 

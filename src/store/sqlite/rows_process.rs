@@ -288,6 +288,19 @@ pub fn ports_of(conn: &Connection, owner_id: &str) -> Result<Vec<PortRecord>> {
     ports(conn, &sql, [owner_id])
 }
 
+pub fn ports_of_owners(conn: &Connection, owner_ids: &[String]) -> Result<Vec<PortRecord>> {
+    if owner_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    // One statement per page size: prepare_cached keeps each.
+    let marks = vec!["?"; owner_ids.len()].join(",");
+    let sql = format!(
+        "SELECT {PORT_COLS} FROM ports WHERE owner_id IN ({marks}) AND released_at IS NULL \
+         ORDER BY owner_id, name"
+    );
+    ports(conn, &sql, rusqlite::params_from_iter(owner_ids))
+}
+
 pub fn release_port(conn: &Connection, id: &str, at: Millis) -> Result<()> {
     conn.prepare_cached("UPDATE ports SET released_at = ?1 WHERE id = ?2 AND released_at IS NULL")
         .and_then(|mut s| s.execute(params![at, id]))
