@@ -2,6 +2,35 @@
 //!
 //! `App::build` opens the store and wires the parts; `serve` runs the HTTP
 //! server and the reconciler until a shutdown signal.
+//!
+//! # How the code is laid out
+//!
+//! Dependencies point down, never back up (`farm-studio look` draws them):
+//!
+//! - `main.rs` and `cli/`: the binary: `serve`, and the client verbs, which
+//!   speak only the public API with the request and record types of `api`
+//!   and `model`.
+//! - `api/`: HTTP only. A handler parses, validates, calls one service
+//!   method and maps the result; `openapi.rs` completes the document that
+//!   the routes generate; `error.rs` turns refusals into problem JSON.
+//! - Services: `leases/`, `processes/`, `ports/`, `events.rs` (`EventLog`).
+//!   Reads and writes both go through them. Each has its transaction scripts
+//!   (`ops.rs`: one write transaction that re-reads, re-checks and appends
+//!   its events) and its pure rules (`rules.rs`, table-tested).
+//! - `tx/`: the context a script runs in (`Ctx`, `in_tx!`) and what several
+//!   services' scripts share (`tx::ports`: picking, recording and ending
+//!   port reservations).
+//! - `store/`: the `Tx` and `Backend` traits, one module per store
+//!   (`sqlite/`, `postgres/`), with SQL text both share in `store/sql.rs`.
+//! - `host/`: this machine: identities from /proc, pidfd signals, spawning,
+//!   behind the `Host` trait. `model/`: records and the contract's names.
+//!
+//! A new endpoint: a handler in the matching `api/<resource>.rs` (added to
+//! its `router()`), a service method, and a script in `ops.rs` when it
+//! writes; regenerate `openapi/openapi.json` (`holdfast openapi`).
+//! A new statement: a method on `Tx` (inside a write) or `Backend` (a read)
+//! in `store/mod.rs`, implemented in `store/sqlite/` and `store/postgres/`
+//! (shared column lists and filters in `store/sql.rs`).
 
 pub mod api;
 pub mod caller;

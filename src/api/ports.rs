@@ -68,6 +68,7 @@ pub struct ReserveRequest {
     pub owner: OwnerRef,
     /// Inclusive `[low, high]` within 1024..=65535 (either bound first); default `[20000, 29999]`.
     #[schema(value_type = Option<crate::model::PortRange>)]
+    #[serde(default, deserialize_with = "crate::model::int::opt_port_pair")]
     pub range: Option<[u16; 2]>,
 }
 

@@ -36,6 +36,18 @@ pub fn opt_i32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i32>, D::Error>
         .transpose()
 }
 
+/// An optional pair of ports, `[low, high]`.
+pub fn opt_port_pair<'de, D: Deserializer<'de>>(d: D) -> Result<Option<[u16; 2]>, D::Error> {
+    let Some([a, b]) = Option::<[Number; 2]>::deserialize(d)? else {
+        return Ok(None);
+    };
+    let port = |n: &Number| {
+        let i = integral::<D::Error>(n)?;
+        u16::try_from(i).map_err(|_| D::Error::custom(format!("{i} is not a port number")))
+    };
+    Ok(Some([port(&a)?, port(&b)?]))
+}
+
 #[cfg(test)]
 mod tests {
     use serde::Deserialize;
@@ -48,6 +60,8 @@ mod tests {
         b: Option<i64>,
         #[serde(default, deserialize_with = "super::opt_i32")]
         c: Option<i32>,
+        #[serde(default, deserialize_with = "super::opt_port_pair")]
+        r: Option<[u16; 2]>,
     }
 
     fn parse(s: &str) -> Result<T, serde_json::Error> {
@@ -56,8 +70,9 @@ mod tests {
 
     #[test]
     fn integral_numbers_with_a_fraction_are_integers() {
-        let t = parse(r#"{"a": 30000.0, "b": 2, "c": -1.0}"#).expect("integers");
-        assert_eq!((t.a, t.b, t.c), (30000, Some(2), Some(-1)));
+        let t = parse(r#"{"a": 30000.0, "b": 2, "c": -1.0, "r": [20000.0, 29999]}"#)
+            .expect("integers");
+        assert_eq!((t.a, t.b, t.c, t.r), (30000, Some(2), Some(-1), Some([20000, 29999])));
         let t = parse(r#"{"a": 1, "b": null}"#).expect("null is absent");
         assert_eq!((t.b, t.c), (None, None));
     }
@@ -68,5 +83,7 @@ mod tests {
         assert!(parse(r#"{"a": "1"}"#).is_err());
         assert!(parse(r#"{"a": 1e300}"#).is_err());
         assert!(parse(r#"{"a": 1, "c": 3000000000}"#).is_err());
+        assert!(parse(r#"{"a": 1, "r": [1, 70000]}"#).is_err());
+        assert!(parse(r#"{"a": 1, "r": [1]}"#).is_err());
     }
 }
