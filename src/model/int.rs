@@ -70,9 +70,12 @@ mod tests {
 
     #[test]
     fn integral_numbers_with_a_fraction_are_integers() {
-        let t = parse(r#"{"a": 30000.0, "b": 2, "c": -1.0, "r": [20000.0, 29999]}"#)
-            .expect("integers");
-        assert_eq!((t.a, t.b, t.c, t.r), (30000, Some(2), Some(-1), Some([20000, 29999])));
+        let t =
+            parse(r#"{"a": 30000.0, "b": 2, "c": -1.0, "r": [20000.0, 29999]}"#).expect("integers");
+        assert_eq!(
+            (t.a, t.b, t.c, t.r),
+            (30000, Some(2), Some(-1), Some([20000, 29999]))
+        );
         let t = parse(r#"{"a": 1, "b": null}"#).expect("null is absent");
         assert_eq!((t.b, t.c), (None, None));
     }

@@ -62,16 +62,20 @@ impl Processes {
             if self.gone_unnoticed(&rec) {
                 // Its exit was missed (a watcher could not be set up): end it now.
                 let (id, token, pid) = (rec.id.clone(), rec.token, rec.pid().unwrap_or_default());
-                let outcome = ops::Stopped::Settled(Exit::default());
+                // Our own child's status, when the reaper has it: a stop in
+                // progress may be racing this pass, and both must say how
+                // the process ended.
+                let outcome = self
+                    .with_child_exit(&id, Stopped::Settled(Exit::default()))
+                    .await;
+                let exit = match outcome {
+                    Stopped::Settled(exit) => exit,
+                    _ => Exit::default(),
+                };
                 match rec.state {
                     ProcessState::Running => {
                         in_tx!(self, true, |tx, cx| ops::exited(
-                            tx,
-                            cx,
-                            &id,
-                            pid,
-                            Exit::default(),
-                            "exited"
+                            tx, cx, &id, pid, exit, "exited"
                         ))?;
                     }
                     _ => {
