@@ -1193,10 +1193,7 @@ async fn ports_one_current_reservation_per_host_and_port() {
         .expect("held");
     held.sort_unstable();
     assert_eq!(held, [5432, 9000]);
-    assert_eq!(
-        b.owner_ports("proc-1").await.expect("owner ports"),
-        [admin]
-    );
+    assert_eq!(b.owner_ports("proc-1").await.expect("owner ports"), [admin]);
     let again = port("port-6", "host-a", 8080, "web", lease_owner("lease-1", 5));
     insert_port(&s.store, again.clone())
         .await
