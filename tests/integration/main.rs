@@ -15,6 +15,7 @@ mod races;
 mod restart;
 mod service;
 mod sse;
+mod store_contract;
 mod stores;
 mod support;
 mod waiting;

@@ -218,9 +218,16 @@ pub fn events(conn: &Connection, after: i64, limit: u32) -> Result<Vec<EventRow>
     rows.map(|r| r.map_err(map_err)).collect()
 }
 
+/// The last seq handed out, as PostgreSQL's `event_seq` counts it: kept by
+/// AUTOINCREMENT in `sqlite_sequence`, so it holds when retention has
+/// removed every event (where `MAX(seq)` would go back to 0).
 pub fn last_event_seq(conn: &Connection) -> Result<i64> {
-    conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM events", [], |r| r.get(0))
-        .map_err(map_err)
+    conn.query_row(
+        "SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0)",
+        [],
+        |r| r.get(0),
+    )
+    .map_err(map_err)
 }
 
 pub fn pruned_through(conn: &Connection) -> Result<i64> {
