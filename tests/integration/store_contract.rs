@@ -1141,18 +1141,29 @@ async fn ports_one_current_reservation_per_host_and_port() {
     assert_eq!(current, Some(web.clone()));
     assert_eq!(none, None);
     assert_eq!(of_proc, [admin.clone(), web.clone()], "by name");
-    assert_eq!(of_lease, [db]);
+    assert_eq!(of_lease, std::slice::from_ref(&db));
     let b = s.backend();
+    let owners = |ids: &[&str]| ids.iter().map(|i| (*i).to_owned()).collect::<Vec<String>>();
     assert_eq!(
-        b.owner_ports("proc-1").await.expect("owner ports"),
+        b.owner_ports(&owners(&["proc-1"]))
+            .await
+            .expect("owner ports"),
         [admin.clone(), web.clone()]
     );
+    assert_eq!(
+        b.owner_ports(&owners(&["proc-1", "lease-1", "nobody"]))
+            .await
+            .expect("a page of owners in one query"),
+        [db.clone(), admin.clone(), web.clone()],
+        "by owner, then name"
+    );
     assert!(
-        b.owner_ports("nobody")
+        b.owner_ports(&owners(&["nobody"]))
             .await
             .expect("owner ports")
             .is_empty()
     );
+    assert!(b.owner_ports(&[]).await.expect("no owners").is_empty());
 
     let list = async |host: Option<&str>, after: u16, limit: u32| {
         let got = b.list_ports(host, after, limit).await.expect("list ports");
@@ -1193,7 +1204,12 @@ async fn ports_one_current_reservation_per_host_and_port() {
         .expect("held");
     held.sort_unstable();
     assert_eq!(held, [5432, 9000]);
-    assert_eq!(b.owner_ports("proc-1").await.expect("owner ports"), [admin]);
+    assert_eq!(
+        b.owner_ports(&owners(&["proc-1"]))
+            .await
+            .expect("owner ports"),
+        [admin]
+    );
     let again = port("port-6", "host-a", 8080, "web", lease_owner("lease-1", 5));
     insert_port(&s.store, again.clone())
         .await
