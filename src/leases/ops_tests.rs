@@ -7,7 +7,7 @@ use serde_json::json;
 use super::ops;
 use super::{Acquire, Acquired, LeaseError, Outcome};
 use crate::model::{Identity, LeaseState, LeaseView, Liveness};
-use crate::tx::fixture::{Fixture, expect, run};
+use crate::tx::fixture::{Fixture, assert_events, run};
 
 const TTL: i64 = 10_000;
 
@@ -98,9 +98,10 @@ async fn assert_taken_over(
     assert_eq!(rec.end_reason.as_deref(), Some(reason));
     assert_eq!(rec.ended_at, Some(fx.now));
     let end = format!("lease.{}", state.as_str());
-    assert_eq!(
-        fx.kinds_after(mark).await,
-        expect(&[(&end, &old.id), ("lease.acquired", &got.lease.id)])
+    assert_events!(
+        fx,
+        mark,
+        &[(&end, &old.id), ("lease.acquired", &got.lease.id)]
     );
     let events = fx.events_after(mark).await;
     assert_eq!(events[0]["detail"]["taken_over_by"], "b");
@@ -111,7 +112,7 @@ async fn assert_taken_over(
 /// The lease `old` is still current and no event was appended since `mark`.
 async fn assert_untouched(fx: &Fixture, mark: i64, old: &LeaseView) {
     assert_eq!(fx.lease(&old.id).await.state, LeaseState::Active);
-    assert_eq!(fx.kinds_after(mark).await, expect(&[]));
+    assert_events!(fx, mark, &[]);
 }
 
 #[tokio::test]
@@ -288,12 +289,13 @@ async fn renew_or_activate_past_expiry_is_fenced_and_nothing_is_resurrected() {
     assert_eq!(rec.expires_at, renewed.expires_at, "expiry not moved");
     let rec = fx.lease(&reserved.id).await;
     assert_eq!((rec.state, rec.owner), (LeaseState::Expired, None));
-    assert_eq!(
-        fx.kinds_after(mark).await,
-        expect(&[
+    assert_events!(
+        fx,
+        mark,
+        &[
             ("lease.expired", &lease.id),
             ("lease.expired", &reserved.id)
-        ])
+        ]
     );
 }
 
@@ -312,10 +314,7 @@ async fn activate_binds_an_owner_to_a_reserved_lease_with_the_same_token() {
     assert_eq!(active.token, reserved.token);
     assert_eq!(active.owner, Some(owner));
     assert_eq!(active.owner_status, Some(Liveness::Live));
-    assert_eq!(
-        fx.kinds_after(mark).await,
-        expect(&[("lease.activated", &reserved.id)])
-    );
+    assert_events!(fx, mark, &[("lease.activated", &reserved.id)]);
     let id = reserved.id.clone();
     let again = run!(fx, |tx, cx| ops::activate(tx, cx, &id, token, None));
     assert!(
@@ -340,10 +339,7 @@ async fn release_is_idempotent_with_the_same_token_and_fenced_otherwise() {
         assert_eq!(v.state, LeaseState::Released);
         assert_eq!(v.end_reason.as_deref(), Some("released"));
     }
-    assert_eq!(
-        fx.kinds_after(mark).await,
-        expect(&[("lease.released", &lease.id)])
-    );
+    assert_events!(fx, mark, &[("lease.released", &lease.id)]);
     let wrong = release(&fx, &lease.id, lease.token + 1).await;
     assert!(matches!(wrong, Err(LeaseError::Fenced(_))), "{wrong:?}");
     let missing = release(&fx, "no-such-lease", 1).await;
@@ -412,10 +408,7 @@ async fn a_parent_whose_owner_died_ends_when_a_child_asks_for_it() {
         Err(LeaseError::ParentFenced(Some(v))) => assert_eq!(v.state, LeaseState::Reclaimed),
         other => panic!("{other:?}"),
     }
-    assert_eq!(
-        fx.kinds_after(mark).await,
-        expect(&[("lease.reclaimed", &parent.id)])
-    );
+    assert_events!(fx, mark, &[("lease.reclaimed", &parent.id)]);
 }
 
 #[tokio::test]
@@ -428,10 +421,7 @@ async fn break_ends_a_lease_whatever_its_owner() {
     assert_eq!(v.end_reason.as_deref(), Some("broken:stuck"));
     assert_eq!(v.owner_status, Some(Liveness::Live));
     let events = fx.events_after(mark).await;
-    assert_eq!(
-        fx.kinds_after(mark).await,
-        expect(&[("lease.broken", &lease.id)])
-    );
+    assert_events!(fx, mark, &[("lease.broken", &lease.id)]);
     assert_eq!(events[0]["detail"], json!({"reason": "stuck", "by": "ops"}));
     let again = break_lease(&fx, &lease.id).await;
     assert!(matches!(again, Err(LeaseError::Fenced(_))), "{again:?}");
@@ -478,12 +468,13 @@ async fn reconcile_ends_dead_owner_and_ttl_passed_leases_only() {
         assert_eq!(fx.lease(&lease.id).await.state, LeaseState::Active);
     }
     assert!(reconcile(&fx, "no-such-lease").await.is_none());
-    assert_eq!(
-        fx.kinds_after(mark).await,
-        expect(&[
+    assert_events!(
+        fx,
+        mark,
+        &[
             ("lease.reclaimed", &ends[0].0.id),
             ("lease.expired", &ends[1].0.id),
-            ("lease.expired", &ends[2].0.id),
-        ])
+            ("lease.expired", &ends[2].0.id)
+        ]
     );
 }

@@ -123,3 +123,15 @@ macro_rules! run {
     }};
 }
 pub(crate) use run;
+
+/// Assert that the events after `$mark` are `$expected`, `(type, id)` pairs.
+macro_rules! assert_events {
+    ($fx:expr, $mark:expr, $expected:expr $(, $($msg:tt)+)?) => {
+        assert_eq!(
+            $fx.kinds_after($mark).await,
+            $crate::tx::fixture::expect($expected)
+            $(, $($msg)+)?
+        )
+    };
+}
+pub(crate) use assert_events;
