@@ -2,6 +2,8 @@
 //! Behind the `Host` trait so that tests can stage reused pids, reboots,
 //! remote owners and unreadable processes.
 
+#[cfg(test)]
+pub mod fake;
 pub(crate) mod identity;
 mod judge;
 pub mod signal;

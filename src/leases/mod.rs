@@ -3,6 +3,8 @@
 //! makes acquirers wait their turn.
 
 pub mod ops;
+#[cfg(test)]
+mod ops_tests;
 pub mod rules;
 
 use crate::tx::in_tx;

@@ -3,6 +3,8 @@
 //! `stop` (signals); this type runs them and keeps the watchers.
 
 pub mod ops;
+#[cfg(test)]
+mod ops_tests;
 mod orphans;
 pub mod rules;
 pub mod stop;

@@ -2,6 +2,8 @@
 //! scripts share below them. No domain owns it: leases, processes and ports
 //! all depend on it, it depends on none of them.
 
+#[cfg(test)]
+pub(crate) mod fixture;
 pub mod ports;
 
 use crate::host::Host;

@@ -1,0 +1,460 @@
+//! The process transaction scripts against a real SQLite store, a staged
+//! host and a clock the test moves: confirm, heartbeat, finish, stop, the
+//! watcher's exit, and the reconciler's claim, with the events each appends.
+
+use std::sync::Arc;
+
+use serde_json::json;
+
+use super::ops::{self, Create, Outcome, ProcError, StopStart, Stopped};
+use crate::caller::{Caller, Peer};
+use crate::host::Host;
+use crate::host::signal::OwnIds;
+use crate::leases;
+use crate::model::{
+    Exit, Identity, LeaseView, Liveness, LivenessReason, ProcessRecord, ProcessState, ProcessView,
+    TokenRef,
+};
+use crate::tx::fixture::{Fixture, assert_events, run};
+
+const TTL: i64 = 10_000;
+
+const ADMIN: Caller = Caller {
+    admin: true,
+    ordinary_token: false,
+    peer: Peer::Tcp,
+};
+
+fn create_cmd() -> Create {
+    Create {
+        id: uuid::Uuid::now_v7().to_string(),
+        kind: "job".into(),
+        operation_id: None,
+        lease: None,
+        owner: None,
+        ttl_ms: None,
+        metadata: Default::default(),
+        command: None,
+        logs: None,
+        port_names: Vec::new(),
+        port_range: 20000..=29999,
+    }
+}
+
+/// A record kept by heartbeats every `TTL`, from `owner` if any.
+fn kept(owner: Option<Identity>) -> Create {
+    Create {
+        owner,
+        ttl_ms: Some(TTL),
+        ..create_cmd()
+    }
+}
+
+/// A record owned by `lease`, naming it with `token`.
+fn owned_by(lease: &LeaseView, token: i64) -> Create {
+    Create {
+        lease: Some(TokenRef {
+            id: lease.id.clone(),
+            token,
+        }),
+        ..create_cmd()
+    }
+}
+
+/// Register a `starting` record.
+async fn register(fx: &Fixture, c: Create) -> ProcessRecord {
+    let host_id = fx.host.local().host_id.clone();
+    let (rec, _) = run!(fx, |tx, cx| ops::create(tx, cx, &host_id, c)).expect("registered");
+    assert_eq!((rec.state, rec.token), (ProcessState::Starting, 1));
+    rec
+}
+
+async fn confirm(fx: &Fixture, id: &str, token: i64, ident: Identity) -> Outcome<ProcessView> {
+    let id = id.to_owned();
+    run!(fx, |tx, cx| ops::confirm(tx, cx, &id, token, ident))
+}
+
+/// Register and confirm a live process; its identity too.
+async fn running(fx: &Fixture, c: Create) -> (ProcessRecord, Identity) {
+    let rec = register(fx, c).await;
+    let ident = fx.host.spawn();
+    let v = confirm(fx, &rec.id, rec.token, ident.clone())
+        .await
+        .expect("confirmed");
+    assert_eq!(v.state, ProcessState::Running);
+    (fx.process(&rec.id).await, ident)
+}
+
+async fn heartbeat(fx: &Fixture, id: &str, token: i64) -> Outcome<ProcessView> {
+    let id = id.to_owned();
+    run!(fx, |tx, cx| ops::heartbeat(tx, cx, &id, token, None))
+}
+
+async fn finish(fx: &Fixture, id: &str, token: i64) -> Outcome<ProcessView> {
+    let id = id.to_owned();
+    let reason = Some("crashed".to_owned());
+    run!(fx, |tx, cx| ops::finish(
+        tx,
+        cx,
+        &id,
+        token,
+        ProcessState::Failed,
+        reason,
+        Some(3)
+    ))
+}
+
+async fn begin_stop(fx: &Fixture, id: &str, token: i64) -> Outcome<StopStart> {
+    let id = id.to_owned();
+    let host_id = fx.host.local().host_id.clone();
+    run!(fx, |tx, cx| ops::begin_stop(
+        tx,
+        cx,
+        &id,
+        token,
+        OwnIds::read(),
+        &host_id,
+        ADMIN
+    ))
+}
+
+async fn claim(fx: &Fixture, id: &str) -> Option<ProcessRecord> {
+    let id = id.to_owned();
+    run!(fx, |tx, cx| ops::claim(tx, cx, &id))
+}
+
+async fn exited(fx: &Fixture, id: &str, pid: i32, code: i32) {
+    let id = id.to_owned();
+    let exit = Exit {
+        code: Some(code),
+        signal: None,
+    };
+    run!(fx, |tx, cx| ops::exited(tx, cx, &id, pid, exit, "exited"));
+}
+
+#[tokio::test]
+async fn confirm_runs_a_registered_process_once() {
+    let mut fx = Fixture::new();
+    let mark = fx.mark().await;
+    let rec = register(&fx, create_cmd()).await;
+    fx.now += 5;
+    let ident = fx.host.spawn();
+    let v = confirm(&fx, &rec.id, 1, ident.clone())
+        .await
+        .expect("confirmed");
+    assert_eq!((v.state, v.pid), (ProcessState::Running, Some(ident.pid)));
+    assert_eq!(v.status, Some(Liveness::Live));
+    assert_eq!(v.started_at, Some(fx.now));
+    let again = confirm(&fx, &rec.id, 1, ident.clone())
+        .await
+        .expect("idempotent");
+    assert_eq!(again.started_at, v.started_at);
+    assert_events!(
+        fx,
+        mark,
+        &[
+            ("process.registered", &rec.id),
+            ("process.running", &rec.id)
+        ]
+    );
+    let other = confirm(&fx, &rec.id, 1, fx.host.spawn()).await;
+    assert!(matches!(other, Err(ProcError::Fenced(_))), "{other:?}");
+    let wrong = confirm(&fx, &rec.id, 2, ident).await;
+    assert!(matches!(wrong, Err(ProcError::Fenced(_))), "{wrong:?}");
+    assert_eq!(fx.process(&rec.id).await.identity, v.identity);
+}
+
+#[tokio::test]
+async fn confirm_of_an_absent_or_unreadable_pid_records_nothing() {
+    let fx = Fixture::new();
+    let host: Arc<dyn Host> = fx.host.clone();
+    let reaper = Arc::new(crate::host::spawn::Reaper::default());
+    let procs =
+        super::Processes::new(fx.store.clone(), host, reaper, fx.dir.path()).expect("processes");
+    let rec = register(&fx, create_cmd()).await;
+    let mark = fx.mark().await;
+
+    let gone = fx.host.spawn();
+    fx.host.kill(gone.pid);
+    let got = procs
+        .confirm(rec.id.clone(), 1, gone.pid, false, ADMIN)
+        .await;
+    assert!(
+        matches!(got, Err(super::Error::ProcessNotFound(p)) if p == gone.pid),
+        "{got:?}"
+    );
+    let denied = fx.host.spawn();
+    fx.host.deny(denied.pid);
+    let got = procs
+        .confirm(rec.id.clone(), 1, denied.pid, false, ADMIN)
+        .await;
+    assert!(matches!(got, Err(super::Error::Unverifiable(_))), "{got:?}");
+
+    let now = fx.process(&rec.id).await;
+    assert_eq!((now.state, now.identity), (ProcessState::Starting, None));
+    assert_events!(fx, mark, &[]);
+}
+
+#[tokio::test]
+async fn heartbeat_is_fenced_by_token_and_by_the_end() {
+    let mut fx = Fixture::new();
+    let (rec, ident) = running(&fx, kept(None)).await;
+    let mark = fx.mark().await;
+    fx.now += TTL - 1;
+    let v = heartbeat(&fx, &rec.id, 1).await.expect("heartbeat");
+    assert_eq!(v.expires_at, Some(fx.now + TTL));
+    assert_eq!(fx.process(&rec.id).await.expires_at, Some(fx.now + TTL));
+    match heartbeat(&fx, &rec.id, 2).await {
+        Err(ProcError::Fenced(v)) => assert_eq!(v.token, 1, "the current record is shown"),
+        other => panic!("wrong token: {other:?}"),
+    }
+    fx.host.kill(ident.pid);
+    finish(&fx, &rec.id, 1).await.expect("finished");
+    let ended = heartbeat(&fx, &rec.id, 1).await;
+    assert!(matches!(ended, Err(ProcError::Fenced(_))), "{ended:?}");
+    assert_events!(
+        fx,
+        mark,
+        &[("process.failed", &rec.id)],
+        "heartbeats are not events"
+    );
+}
+
+#[tokio::test]
+async fn finish_refuses_a_live_process_and_is_idempotent_after() {
+    let fx = Fixture::new();
+    let (rec, ident) = running(&fx, create_cmd()).await;
+    let mark = fx.mark().await;
+    let alive = finish(&fx, &rec.id, 1).await;
+    assert!(
+        matches!(alive, Err(ProcError::ProcessAlive(_))),
+        "{alive:?}"
+    );
+    assert_eq!(fx.process(&rec.id).await.state, ProcessState::Running);
+
+    fx.host.kill(ident.pid);
+    for _ in 0..2 {
+        let v = finish(&fx, &rec.id, 1).await.expect("finished");
+        assert_eq!(v.state, ProcessState::Failed);
+        assert_eq!(v.end_reason.as_deref(), Some("crashed"));
+        assert_eq!(v.exit.code, Some(3));
+        assert_eq!(v.status_reason, Some(LivenessReason::PidAbsent));
+    }
+    assert_events!(fx, mark, &[("process.failed", &rec.id)]);
+}
+
+/// A lease held by a live owner, for a process to belong to.
+async fn lease(fx: &Fixture) -> LeaseView {
+    let cmd = leases::Acquire {
+        resource: "r".into(),
+        holder: "a".into(),
+        ttl_ms: None,
+        owner: Some(fx.host.spawn()),
+        parent: None,
+        reserve: false,
+        metadata: Default::default(),
+    };
+    run!(fx, |tx, cx| leases::ops::acquire(tx, cx, cmd))
+        .expect("lease")
+        .lease
+}
+
+#[tokio::test]
+async fn a_process_is_claimed_once_its_lease_ended_and_gets_a_new_token() {
+    let fx = Fixture::new();
+    let l = lease(&fx).await;
+    let c = owned_by(&l, l.token);
+    let (rec, _) = running(&fx, c).await;
+    assert!(claim(&fx, &rec.id).await.is_none(), "lease still current");
+
+    let (id, token) = (l.id.clone(), l.token);
+    run!(fx, |tx, cx| leases::ops::release(tx, cx, &id, token)).expect("released");
+    let mark = fx.mark().await;
+    let claimed = claim(&fx, &rec.id).await.expect("claimed");
+    assert_eq!((claimed.state, claimed.token), (ProcessState::Orphaned, 2));
+    assert_eq!(fx.process(&rec.id).await, claimed);
+    let events = fx.events_after(mark).await;
+    assert_events!(fx, mark, &[("process.orphaned", &rec.id)]);
+    assert_eq!(events[0]["detail"], json!({"reason": "lease_ended"}));
+    assert!(claim(&fx, &rec.id).await.is_none(), "claimed once");
+    let old = heartbeat(&fx, &rec.id, 1).await;
+    assert!(matches!(old, Err(ProcError::Fenced(_))), "{old:?}");
+}
+
+#[tokio::test]
+async fn a_process_is_claimed_when_its_heartbeat_ttl_passed_and_its_owner_is_not_live() {
+    let mut fx = Fixture::new();
+    let owner = fx.host.spawn();
+    let (rec, _) = running(&fx, kept(Some(owner.clone()))).await;
+
+    fx.host.kill(owner.pid);
+    fx.now += TTL - 1;
+    assert!(claim(&fx, &rec.id).await.is_none(), "TTL not passed");
+    fx.now += 1;
+    fx.host.reuse(owner.pid);
+    let claimed = claim(&fx, &rec.id).await.expect("claimed");
+    assert_eq!((claimed.state, claimed.token), (ProcessState::Orphaned, 2));
+}
+
+#[tokio::test]
+async fn a_live_owner_keeps_its_process_past_the_heartbeat_ttl() {
+    let mut fx = Fixture::new();
+    let (rec, _) = running(&fx, kept(Some(fx.host.spawn()))).await;
+    let mark = fx.mark().await;
+    fx.now += 10 * TTL;
+    assert!(claim(&fx, &rec.id).await.is_none());
+    let now = fx.process(&rec.id).await;
+    assert_eq!((now.state, now.token), (ProcessState::Running, 1));
+    assert_events!(fx, mark, &[]);
+}
+
+#[tokio::test]
+async fn claiming_a_starting_record_ends_it_stopped() {
+    let mut fx = Fixture::new();
+    let rec = register(&fx, kept(None)).await;
+    fx.now += TTL;
+    let mark = fx.mark().await;
+    assert!(claim(&fx, &rec.id).await.is_none(), "nothing to stop");
+    let now = fx.process(&rec.id).await;
+    assert_eq!((now.state, now.token), (ProcessState::Stopped, 2));
+    assert_eq!(now.end_reason.as_deref(), Some("orphan_reconciled"));
+    assert_events!(fx, mark, &[("process.stopped", &rec.id)]);
+}
+
+#[tokio::test]
+async fn an_orphan_ends_stopped_when_its_tree_settled() {
+    let mut fx = Fixture::new();
+    let (rec, _) = running(&fx, kept(None)).await;
+    fx.now += TTL;
+    let claimed = claim(&fx, &rec.id).await.expect("claimed");
+    let mark = fx.mark().await;
+    end_orphan(&fx, &rec.id, claimed.token, Stopped::NotSettled, true).await;
+    end_orphan(&fx, &rec.id, claimed.token, Stopped::NotSettled, false).await;
+    end_orphan(&fx, &rec.id, 1, Stopped::Settled(Exit::default()), false).await;
+    assert_eq!(fx.process(&rec.id).await.state, ProcessState::Orphaned);
+    let killed = Exit {
+        code: None,
+        signal: Some(9),
+    };
+    end_orphan(&fx, &rec.id, claimed.token, Stopped::Settled(killed), false).await;
+    let now = fx.process(&rec.id).await;
+    assert_eq!(now.state, ProcessState::Stopped);
+    assert_eq!(now.end_reason.as_deref(), Some("orphan_reconciled"));
+    assert_eq!(now.exit, killed);
+    assert_events!(
+        fx,
+        mark,
+        &[
+            ("process.kill_failed", &rec.id),
+            ("process.stopped", &rec.id)
+        ]
+    );
+}
+
+async fn end_orphan(fx: &Fixture, id: &str, token: i64, outcome: Stopped, first: bool) {
+    let id = id.to_owned();
+    run!(fx, |tx, cx| ops::end_orphan(
+        tx, cx, &id, token, outcome, first
+    ));
+}
+
+#[tokio::test]
+async fn exited_ends_a_running_record_and_only_informs_a_stopping_one() {
+    let fx = Fixture::new();
+    let (a, ia) = running(&fx, create_cmd()).await;
+    let (b, ib) = running(&fx, create_cmd()).await;
+    let mark = fx.mark().await;
+
+    exited(&fx, &a.id, ia.pid + 1_000, 0).await;
+    assert_eq!(
+        fx.process(&a.id).await.state,
+        ProcessState::Running,
+        "other pid"
+    );
+    exited(&fx, &a.id, ia.pid, 7).await;
+    let now = fx.process(&a.id).await;
+    assert_eq!((now.state, now.exit.code), (ProcessState::Exited, Some(7)));
+    assert_eq!(now.end_reason.as_deref(), Some("exited"));
+
+    assert!(matches!(
+        begin_stop(&fx, &b.id, 1).await,
+        Ok(StopStart::Signal(_))
+    ));
+    exited(&fx, &b.id, ib.pid, 0).await;
+    let now = fx.process(&b.id).await;
+    assert_eq!(
+        (now.state, now.exit.code),
+        (ProcessState::Stopping, Some(0))
+    );
+    assert_events!(fx, mark, &[("process.exited", &a.id)]);
+}
+
+#[tokio::test]
+async fn a_stop_that_finds_the_pid_reused_ends_it_exited_with_identity_mismatch() {
+    let fx = Fixture::new();
+    let (rec, ident) = running(&fx, create_cmd()).await;
+    let Ok(StopStart::Signal(stopping)) = begin_stop(&fx, &rec.id, 1).await else {
+        panic!("a running process is signalled");
+    };
+    assert_eq!(stopping.state, ProcessState::Stopping);
+    assert_eq!(fx.process(&rec.id).await.state, ProcessState::Stopping);
+
+    fx.host.reuse(ident.pid);
+    let mark = fx.mark().await;
+    let id = rec.id.clone();
+    let got = run!(fx, |tx, cx| ops::end_stop(
+        tx,
+        cx,
+        &id,
+        1,
+        Stopped::Reused,
+        None
+    ));
+    match got {
+        Err(ProcError::IdentityMismatch(v)) => {
+            assert_eq!(v.state, ProcessState::Exited);
+            assert_eq!(v.status_reason, Some(LivenessReason::PidReused));
+        }
+        other => panic!("{other:?}"),
+    }
+    let now = fx.process(&rec.id).await;
+    assert_eq!(now.state, ProcessState::Exited);
+    assert_eq!(now.end_reason.as_deref(), Some("pid_reused"));
+    assert_events!(fx, mark, &[("process.exited", &rec.id)]);
+}
+
+#[tokio::test]
+async fn stop_refuses_a_remote_process_and_ends_a_starting_one_unsignalled() {
+    let fx = Fixture::new();
+    let rec = register(&fx, create_cmd()).await;
+    confirm(&fx, &rec.id, 1, fx.host.remote())
+        .await
+        .expect("confirmed");
+    let remote = begin_stop(&fx, &rec.id, 1).await;
+    assert!(matches!(remote, Err(ProcError::RemoteProcess(_))));
+    assert_eq!(fx.process(&rec.id).await.state, ProcessState::Running);
+
+    let starting = register(&fx, create_cmd()).await;
+    match begin_stop(&fx, &starting.id, 1).await {
+        Ok(StopStart::Done(v)) => {
+            assert_eq!(v.state, ProcessState::Stopped);
+            assert_eq!(v.end_reason.as_deref(), Some("stopped_before_start"));
+        }
+        Ok(StopStart::Signal(_)) => panic!("nothing to signal"),
+        Err(e) => panic!("{e:?}"),
+    }
+    let wrong = begin_stop(&fx, &starting.id, 2).await;
+    assert!(matches!(wrong, Err(ProcError::Fenced(_))));
+}
+
+#[tokio::test]
+async fn a_process_needs_a_current_lease_to_be_created() {
+    let fx = Fixture::new();
+    let l = lease(&fx).await;
+    let c = owned_by(&l, l.token + 1);
+    let host_id = fx.host.local().host_id.clone();
+    let mark = fx.mark().await;
+    let got = run!(fx, |tx, cx| ops::create(tx, cx, &host_id, c));
+    assert!(matches!(got, Err(ProcError::LeaseFenced(Some(_)))));
+    assert_events!(fx, mark, &[]);
+}
