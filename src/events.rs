@@ -72,9 +72,11 @@ impl EventLog {
 
     /// `Pruned` when events after `after` were removed by retention.
     pub fn check_not_pruned(&self, after: i64) -> std::result::Result<(), ReadError> {
-        let oldest_seq = self.oldest_kept();
-        if after + 1 < oldest_seq {
-            return Err(ReadError::Pruned { oldest_seq });
+        let pruned = self.hub.pruned_through.load(Ordering::SeqCst);
+        if after < pruned {
+            return Err(ReadError::Pruned {
+                oldest_seq: pruned + 1,
+            });
         }
         Ok(())
     }
@@ -89,7 +91,10 @@ impl EventLog {
         limit: u32,
     ) -> std::result::Result<Vec<EventRow>, ReadError> {
         let rows = self.store.backend().events(after, limit).await?;
-        if rows.first().is_some_and(|r| r.seq != after + 1) {
+        if rows
+            .first()
+            .is_some_and(|r| Some(r.seq) != after.checked_add(1))
+        {
             let pruned = self.store.backend().pruned_through().await?;
             self.hub.pruned_through.fetch_max(pruned, Ordering::SeqCst);
             self.check_not_pruned(after)?;

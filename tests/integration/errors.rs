@@ -401,3 +401,14 @@ async fn numbers_and_text_are_read_as_the_document_describes_them() {
     let port = r.body["ports"]["http"].as_u64().expect("port");
     assert!((31000..=31010).contains(&port));
 }
+
+stores!(the_largest_cursor_reads_nothing_rather_than_failing);
+async fn the_largest_cursor_reads_nothing_rather_than_failing() {
+    let s = Server::start().await;
+    s.acquire_ok("cursor/a", "h").await;
+    let r = s
+        .get(&format!("/v1/events?after={}&limit=1&wait_ms=0", i64::MAX))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["items"], json!([]));
+}
