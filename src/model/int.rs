@@ -76,6 +76,12 @@ mod tests {
             (t.a, t.b, t.c, t.r),
             (30000, Some(2), Some(-1), Some([20000, 29999]))
         );
+        // Large integral numbers in any JSON spelling (parsed exactly: serde_json's
+        // float_roundtrip).
+        for big in ["2251799813685247.0", "2.251799813685247e15", "22517998136852470e-1"] {
+            let t = parse(&format!(r#"{{"a": {big}}}"#)).expect(big);
+            assert_eq!(t.a, 2_251_799_813_685_247, "{big}");
+        }
         let t = parse(r#"{"a": 1, "b": null}"#).expect("null is absent");
         assert_eq!((t.b, t.c), (None, None));
     }
