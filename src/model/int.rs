@@ -78,7 +78,11 @@ mod tests {
         );
         // Large integral numbers in any JSON spelling (parsed exactly: serde_json's
         // float_roundtrip).
-        for big in ["2251799813685247.0", "2.251799813685247e15", "22517998136852470e-1"] {
+        for big in [
+            "2251799813685247.0",
+            "2.251799813685247e15",
+            "22517998136852470e-1",
+        ] {
             let t = parse(&format!(r#"{{"a": {big}}}"#)).expect(big);
             assert_eq!(t.a, 2_251_799_813_685_247, "{big}");
         }
