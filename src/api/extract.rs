@@ -23,11 +23,14 @@ fn is_json(content_type: &str) -> bool {
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
-/// serde reports a missing member at its parent's path (and an unknown one
+/// serde reports a missing or repeated member at its parent's path (and an unknown one
 /// at its own): name the member itself, which is what a client must fix.
 fn member_path(path: &str, message: &str) -> String {
     let path = if path == "." { "" } else { path };
-    let Some((_, rest)) = message.split_once("missing field `") else {
+    let named = ["missing field `", "duplicate field `"]
+        .iter()
+        .find_map(|p| message.split_once(p));
+    let Some((_, rest)) = named else {
         return path.to_owned();
     };
     let name = rest.split('`').next().unwrap_or_default();

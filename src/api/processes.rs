@@ -523,6 +523,11 @@ fn read_range(path: &std::path::Path, offset: u64, limit: u64) -> std::io::Resul
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(e),
     };
+    // Past the end there is nothing to read; seeking there may even fail
+    // (EINVAL past the filesystem's largest file size).
+    if offset >= file.metadata()?.len() {
+        return Ok(Vec::new());
+    }
     file.seek(SeekFrom::Start(offset))?;
     let mut out = Vec::new();
     file.take(limit).read_to_end(&mut out)?;

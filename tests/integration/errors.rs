@@ -412,3 +412,38 @@ async fn the_largest_cursor_reads_nothing_rather_than_failing() {
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.body["items"], json!([]));
 }
+
+stores!(log_reads_far_past_the_end_and_repeated_parameters_are_answered_plainly);
+async fn log_reads_far_past_the_end_and_repeated_parameters_are_answered_plainly() {
+    let s = Server::start().await;
+    let p = s
+        .spawn(json!({"kind": "job", "command": {"argv": ["sh", "-c", "echo hi"]}}))
+        .await;
+    let id = p["id"].as_str().expect("id").to_owned();
+    // 16 TiB and more: past any log, and past what ext4 lets one seek to.
+    for offset in [1u64 << 44, (1u64 << 62) + 7] {
+        let r = s
+            .client
+            .get(s.url(&format!("/v1/processes/{id}/logs?offset={offset}")))
+            .send()
+            .await
+            .expect("GET logs");
+        assert_eq!(r.status(), StatusCode::OK, "offset {offset}");
+        assert_eq!(r.headers()["x-next-offset"], offset.to_string().as_str());
+        assert!(r.bytes().await.expect("body").is_empty());
+    }
+    let r = s
+        .get(&format!(
+            "/v1/processes/{id}/logs?stream=stdout&stream=stderr"
+        ))
+        .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (StatusCode::UNPROCESSABLE_ENTITY, "validation")
+    );
+    assert_eq!(r.body["field"], "stream");
+    let stop = s
+        .process_op(&id, "stop", json!({"token": p["token"]}))
+        .await;
+    assert_eq!(stop.status, StatusCode::OK);
+}
