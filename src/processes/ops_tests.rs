@@ -9,6 +9,7 @@ use serde_json::json;
 use super::ops::{self, Create, Outcome, ProcError, StopStart, Stopped};
 use crate::caller::{Caller, Peer};
 use crate::host::Host;
+use crate::host::fake::FakeHost;
 use crate::host::signal::OwnIds;
 use crate::leases;
 use crate::model::{
@@ -306,6 +307,22 @@ async fn a_live_owner_keeps_its_process_past_the_heartbeat_ttl() {
     let now = fx.process(&rec.id).await;
     assert_eq!((now.state, now.token), (ProcessState::Running, 1));
     assert_events!(fx, mark, &[]);
+}
+
+#[tokio::test]
+async fn an_owner_that_cannot_be_checked_keeps_its_process_past_the_heartbeat_ttl() {
+    for stage in [FakeHost::deny, FakeHost::unreadable] {
+        let mut fx = Fixture::new();
+        let owner = fx.host.spawn();
+        let (rec, _) = running(&fx, kept(Some(owner.clone()))).await;
+        stage(&fx.host, owner.pid);
+        let mark = fx.mark().await;
+        fx.now += 10 * TTL;
+        assert!(claim(&fx, &rec.id).await.is_none());
+        let now = fx.process(&rec.id).await;
+        assert_eq!((now.state, now.token), (ProcessState::Running, 1));
+        assert_events!(fx, mark, &[]);
+    }
 }
 
 #[tokio::test]

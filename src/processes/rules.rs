@@ -14,6 +14,9 @@ pub fn may_be_claimed(state: ProcessState) -> bool {
 /// Why the reconciler claims `rec`, if it must: its owning lease ended
 /// (`lease` is that lease as read now, None when there is none), or its
 /// heartbeat TTL passed while its owner (judged as `owner`) is not live.
+/// An owner whose liveness cannot be established here (`unknown`) counts as
+/// live, as a lease's does (`owner_unverifiable`): the TTL only proves that
+/// observation stopped, and nothing is stopped on a guess.
 pub fn claim_reason(
     rec: &ProcessRecord,
     lease: Option<&LeaseRecord>,
@@ -29,7 +32,7 @@ pub fn claim_reason(
         return Some("lease_ended");
     }
     let ttl_passed = rec.expires_at.is_some_and(|at| now >= at);
-    let owner_live = owner.is_some_and(|j| j.status == Liveness::Live);
+    let owner_live = owner.is_some_and(|j| matches!(j.status, Liveness::Live | Liveness::Unknown));
     (ttl_passed && !owner_live).then_some("heartbeat_expired")
 }
 
@@ -121,10 +124,17 @@ mod tests {
     #[test]
     fn a_heartbeat_ttl_counts_only_while_its_owner_is_not_live() {
         let live = Some(Judgement::LIVE);
+        let unknown = Some(Judgement::unknown(LivenessReason::PermissionDenied));
         let dead = Some(Judgement::dead(LivenessReason::PidAbsent));
+        let remote = Some(Judgement::remote(LivenessReason::OtherHost));
         assert_eq!(claim_reason(&kept(NOW + 1), None, None, NOW), None);
         assert_eq!(claim_reason(&kept(NOW), None, live, NOW), None);
-        for owner in [None, dead] {
+        assert_eq!(
+            claim_reason(&kept(NOW), None, unknown, NOW),
+            None,
+            "an owner that cannot be checked counts as alive"
+        );
+        for owner in [None, dead, remote] {
             assert_eq!(
                 claim_reason(&kept(NOW), None, owner, NOW),
                 Some("heartbeat_expired")
