@@ -54,6 +54,16 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        // A declared length over the limit is refused from the header alone,
+        // without waiting for a body that may never come.
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > super::BODY_LIMIT as u64) {
+            return Err(ApiError::PayloadTooLarge);
+        }
         let json = req
             .headers()
             .get(header::CONTENT_TYPE)

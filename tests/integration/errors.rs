@@ -242,6 +242,31 @@ async fn duplicate_members_and_deep_nesting_are_refused() {
     assert_eq!(s.get("/v1/leases?state=all").await.body["items"], json!([]));
 }
 
+stores!(a_declared_length_over_the_limit_is_413_without_waiting_for_the_body);
+async fn a_declared_length_over_the_limit_is_413_without_waiting_for_the_body() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Server::start().await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let mut conn = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    // The head promises 64 KiB + 1 and no body follows: the answer must not
+    // wait for it (the client keeps the connection open throughout).
+    let head = format!(
+        "POST /v1/leases HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        64 * 1024 + 1
+    );
+    conn.write_all(head.as_bytes()).await.expect("write head");
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), conn.read(&mut answer))
+        .await
+        .expect("an answer without the body")
+        .expect("read");
+    let text = String::from_utf8_lossy(&answer[..n]);
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("payload_too_large"), "{text}");
+}
+
 stores!(oversized_heads_are_431);
 async fn oversized_heads_are_431() {
     let s = Server::start().await;
