@@ -186,7 +186,18 @@ impl Processes {
             },
         };
         let host = self.host.clone();
-        let spawned = self.reaper.spawn(&spec, |pid| host.observe_child(pid));
+        let spawned = self.reaper.spawn(&spec, |pid| {
+            let observed = host.observe_child(pid);
+            if observed.is_err() {
+                // Not left running untracked. It is our own child and cannot
+                // be reaped while this runs (the reaper's lock is held), so
+                // its pid, and the group it leads, are still its own.
+                if let Err(e) = signal::signal_group(pid, signal::Sig::Kill) {
+                    tracing::warn!(pid, error = %e, "cannot kill a child whose identity could not be read");
+                }
+            }
+            observed
+        });
         let (identity, exit_rx) = match spawned {
             Ok((Ok(identity), rx)) => (identity, rx),
             Ok((Err(e), _)) => {

@@ -13,8 +13,8 @@ use crate::host::fake::FakeHost;
 use crate::host::signal::OwnIds;
 use crate::leases;
 use crate::model::{
-    Exit, Identity, LeaseView, Liveness, LivenessReason, ProcessRecord, ProcessState, ProcessView,
-    TokenRef,
+    Command, Exit, Identity, LeaseView, Liveness, LivenessReason, ProcessRecord, ProcessState,
+    ProcessView, TokenRef,
 };
 use crate::tx::fixture::{Fixture, assert_events, run};
 
@@ -163,6 +163,70 @@ async fn confirm_runs_a_registered_process_once() {
     let wrong = confirm(&fx, &rec.id, 2, ident).await;
     assert!(matches!(wrong, Err(ProcError::Fenced(_))), "{wrong:?}");
     assert_eq!(fx.process(&rec.id).await.identity, v.identity);
+}
+
+/// Pids of live (not zombie) processes whose command line holds `marker`.
+fn running_with(marker: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+        if !zombie && String::from_utf8_lossy(&cmdline).contains(marker) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
+    let fx = Fixture::new();
+    // The fake host knows no real pid: reading the new child's identity fails.
+    let host: Arc<dyn Host> = fx.host.clone();
+    let reaper = Arc::new(crate::host::spawn::Reaper::default());
+    let procs =
+        super::Processes::new(fx.store.clone(), host, reaper, fx.dir.path()).expect("processes");
+    let marker = format!("holdfast-untracked-{}", uuid::Uuid::now_v7());
+    let request = super::CreateRequest {
+        kind: "job".into(),
+        operation_id: None,
+        lease: None,
+        owner: None,
+        ttl_ms: None,
+        metadata: Default::default(),
+        command: Some(Command {
+            // The shell keeps the marker in its command line and waits.
+            argv: vec![
+                "sh".into(),
+                "-c".into(),
+                "sleep 300; true".into(),
+                marker.clone(),
+            ],
+            cwd: None,
+            env: Default::default(),
+        }),
+        ports: Vec::new(),
+    };
+    let got = procs.create(request, 20000..=29999, ADMIN).await;
+    let survivors = running_with(&marker);
+    for pid in &survivors {
+        let group = format!("-{pid}");
+        let _ = std::process::Command::new("kill")
+            .args(["-9", "--", &group])
+            .status();
+    }
+    assert!(matches!(got, Err(super::Error::Unverifiable(_))), "{got:?}");
+    assert_eq!(survivors, Vec::<i32>::new(), "the child was left running");
 }
 
 #[tokio::test]
