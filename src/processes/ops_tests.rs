@@ -165,6 +165,14 @@ async fn confirm_runs_a_registered_process_once() {
     assert_eq!(fx.process(&rec.id).await.identity, v.identity);
 }
 
+/// The service on the fixture's store and fake host, with a reaper that
+/// never runs: nothing here is reaped behind a test's back.
+fn processes(fx: &Fixture) -> Arc<super::Processes> {
+    let host: Arc<dyn Host> = fx.host.clone();
+    let reaper = Arc::new(crate::host::spawn::Reaper::default());
+    super::Processes::new(fx.store.clone(), host, reaper, fx.dir.path()).expect("processes")
+}
+
 /// Pids of live (not zombie) processes whose command line holds `marker`.
 fn running_with(marker: &str) -> Vec<i32> {
     let mut found = Vec::new();
@@ -192,10 +200,7 @@ fn running_with(marker: &str) -> Vec<i32> {
 async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
     let fx = Fixture::new();
     // The fake host knows no real pid: reading the new child's identity fails.
-    let host: Arc<dyn Host> = fx.host.clone();
-    let reaper = Arc::new(crate::host::spawn::Reaper::default());
-    let procs =
-        super::Processes::new(fx.store.clone(), host, reaper, fx.dir.path()).expect("processes");
+    let procs = processes(&fx);
     let marker = format!("holdfast-untracked-{}", uuid::Uuid::now_v7());
     let request = super::CreateRequest {
         kind: "job".into(),
@@ -232,10 +237,7 @@ async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
 #[tokio::test]
 async fn confirm_of_an_absent_or_unreadable_pid_records_nothing() {
     let fx = Fixture::new();
-    let host: Arc<dyn Host> = fx.host.clone();
-    let reaper = Arc::new(crate::host::spawn::Reaper::default());
-    let procs =
-        super::Processes::new(fx.store.clone(), host, reaper, fx.dir.path()).expect("processes");
+    let procs = processes(&fx);
     let rec = register(&fx, create_cmd()).await;
     let mark = fx.mark().await;
 
