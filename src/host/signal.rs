@@ -125,12 +125,18 @@ pub struct OwnIds {
 }
 
 impl OwnIds {
+    /// Read from `/proc/self/stat`, not getpgrp(2)/getsid(2): those return 0
+    /// when the group or session leader is outside our PID namespace (a
+    /// container, `unshare -pf`), which rustix's typed pids cannot hold. 0
+    /// here means "not visible", and no refusal is then made on it.
     pub fn read() -> Self {
-        let pid = rustix::process::getpid();
+        let stat = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|t| Stat::parse(&t));
         Self {
-            pid: pid.as_raw_nonzero().get(),
-            pgid: rustix::process::getpgrp().as_raw_nonzero().get(),
-            sid: rustix::process::getsid(None).map_or(0, |p| p.as_raw_nonzero().get()),
+            pid: rustix::process::getpid().as_raw_nonzero().get(),
+            pgid: stat.as_ref().map_or(0, |s| s.pgid),
+            sid: stat.as_ref().map_or(0, |s| s.sid),
             uid: rustix::process::getuid().as_raw(),
         }
     }
@@ -146,7 +152,7 @@ impl OwnIds {
         if ident.pid == self.pid {
             return Some("that is the holdfast server itself".into());
         }
-        if ident.pgid == Some(self.pgid) {
+        if ident.pgid == Some(self.pgid) && self.pgid != 0 {
             return Some("that process is in the server's own process group".into());
         }
         if ident.sid == Some(self.sid) && self.sid != 0 {

@@ -567,3 +567,35 @@ async fn a_page_of_processes_shows_each_ones_own_ports() {
         assert_eq!(r.status, StatusCode::OK);
     }
 }
+
+/// As in a container: the server's group and session leaders are outside
+/// its PID namespace, so getpgrp(2) and getsid(2) read 0. It must start and
+/// manage processes all the same (it panicked at start-up before).
+#[tokio::test]
+async fn a_server_whose_session_is_outside_its_pid_namespace_works() {
+    let probe = tokio::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .output()
+        .await;
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: this machine cannot make a PID namespace: {probe:?}");
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_under(
+        &["unshare", "--pid", "--fork", "--mount-proc"],
+        tmp.path(),
+        &["--reconcile-interval-ms", "100"],
+    )
+    .await;
+    let p = s
+        .spawn(json!({"kind": "ns", "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    assert_eq!(p["state"], "running");
+    let stop = s
+        .process_op(&id(&p), "stop", json!({"token": p["token"]}))
+        .await;
+    assert_eq!(stop.status, StatusCode::OK, "{:?}", stop.body);
+    assert_eq!(stop.body["state"], "stopped");
+    assert_eq!(stop.body["exit"]["signal"], 15);
+}

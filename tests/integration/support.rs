@@ -47,8 +47,15 @@ impl Server {
     pub async fn start_in(dir: &Path, args: &[&str]) -> Self {
         // In a session of its own, as a daemon would be: the processes the
         // tests start are then not in the server's session, which it refuses to signal.
+        Self::start_under(&["setsid"], dir, args).await
+    }
+
+    /// A server started by the command `launcher` (a program and its
+    /// arguments, followed by the server's own command line).
+    pub async fn start_under(launcher: &[&str], dir: &Path, args: &[&str]) -> Self {
         let database = crate::stores::database_args(dir).await;
-        let mut child = Command::new("setsid")
+        let mut child = Command::new(launcher[0])
+            .args(&launcher[1..])
             .arg(env!("CARGO_BIN_EXE_holdfast"))
             .arg("serve")
             .args(["--listen", "127.0.0.1:0", "--data-dir"])

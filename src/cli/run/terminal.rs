@@ -8,7 +8,7 @@
 //! then loses the terminal while COMMAND holds it.
 
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, pthread_sigmask};
-use rustix::process::{Pid, getpgrp};
+use rustix::process::Pid;
 use rustix::termios::{tcgetpgrp, tcsetpgrp};
 
 /// Held while COMMAND's group has the terminal; dropping it gives it back.
@@ -23,7 +23,8 @@ impl Foreground {
         if !std::io::IsTerminal::is_terminal(&stdin) {
             return None;
         }
-        let ours = getpgrp();
+        // Not getpgrp(2): outside our PID namespace it reads 0, no valid Pid.
+        let ours = Pid::from_raw(holdfast::host::signal::OwnIds::read().pgid)?;
         let theirs = Pid::from_raw(pgid)?;
         if tcgetpgrp(&stdin).ok()? != ours {
             return None;
