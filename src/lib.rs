@@ -20,17 +20,21 @@
 //! - `tx/`: the context a script runs in (`Ctx`, `in_tx!`) and what several
 //!   services' scripts share (`tx::ports`: picking, recording and ending
 //!   port reservations).
-//! - `store/`: the `Tx` and `Backend` traits, one module per store
-//!   (`sqlite/`, `postgres/`), with SQL text both share in `store/sql.rs`.
+//! - `store/`: the `Tx` and `Backend` traits, implemented once for both
+//!   databases through sqlx (`sql_tx.rs`, `sql_store.rs`) on statements
+//!   written once (`rows/`, column lists and filters in `sql.rs`). What the
+//!   databases differ in is the `Db` trait (`db.rs`), implemented in
+//!   `sqlite/` and `postgres/`, each with its own writer behind the shared
+//!   group commit (`group.rs`); migrations in `migrate.rs`.
 //! - `host/`: this machine: identities from /proc, pidfd signals, spawning,
 //!   behind the `Host` trait. `model/`: records and the contract's names.
 //!
 //! A new endpoint: a handler in the matching `api/<resource>.rs` (added to
 //! its `router()`), a service method, and a script in `ops.rs` when it
 //! writes; regenerate `openapi/openapi.json` (`holdfast openapi`).
-//! A new statement: a method on `Tx` (inside a write) or `Backend` (a read)
-//! in `store/mod.rs`, implemented in `store/sqlite/` and `store/postgres/`
-//! (shared column lists and filters in `store/sql.rs`).
+//! A new statement: a function in `store/rows/`, and a method on `Tx`
+//! (inside a write, `store/sql_tx.rs`) or `Backend` (a read,
+//! `store/sql_store.rs`) that calls it, declared in `store/mod.rs`.
 
 pub mod api;
 pub mod caller;
@@ -124,12 +128,10 @@ impl App {
                             source,
                         })?;
                     }
-                    Arc::new(SqliteStore::open(
-                        &path,
-                        &facts.boot_id,
-                        time::now_ms(),
-                        hub.clone(),
-                    )?)
+                    Arc::new(
+                        SqliteStore::open(&path, &facts.boot_id, time::now_ms(), hub.clone())
+                            .await?,
+                    )
                 }
                 Database::Postgres(url) => {
                     let settings = PoolSettings {

@@ -117,7 +117,7 @@ async fn assert_untouched(fx: &Fixture, mark: i64, old: &LeaseView) {
 
 #[tokio::test]
 async fn live_owner_keeps_its_lease_fresh_stale_or_without_ttl() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let old = held(&fx, "r", Some(TTL), Some(fx.host.spawn())).await;
     let forever = held(&fx, "f", None, Some(fx.host.spawn())).await;
     let mark = fx.mark().await;
@@ -141,7 +141,7 @@ async fn live_owner_keeps_its_lease_fresh_stale_or_without_ttl() {
 
 #[tokio::test]
 async fn dead_owner_is_reclaimed_at_once_even_before_its_ttl() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let absent = fx.host.spawn();
     let reused = fx.host.spawn();
     let cases = [
@@ -165,7 +165,7 @@ async fn dead_owner_is_reclaimed_at_once_even_before_its_ttl() {
 
 #[tokio::test]
 async fn remote_owner_falls_back_to_the_ttl() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let old = held(&fx, "r", Some(TTL), Some(fx.host.remote())).await;
     let ns = held(&fx, "ns", Some(TTL), Some(fx.host.other_namespace())).await;
     let no_ttl = held(&fx, "n", None, Some(fx.host.remote())).await;
@@ -195,7 +195,7 @@ async fn remote_owner_falls_back_to_the_ttl() {
 
 #[tokio::test]
 async fn unverifiable_owner_blocks_whatever_the_ttl() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let denied = fx.host.spawn();
     let unreadable = fx.host.spawn();
     let a = held(&fx, "a", Some(TTL), Some(denied.clone())).await;
@@ -217,7 +217,7 @@ async fn unverifiable_owner_blocks_whatever_the_ttl() {
 
 #[tokio::test]
 async fn ownerless_lease_expires_exactly_at_expires_at() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let old = held(&fx, "r", Some(TTL), None).await;
     let forever = held(&fx, "f", None, None).await;
     let mark = fx.mark().await;
@@ -234,7 +234,7 @@ async fn ownerless_lease_expires_exactly_at_expires_at() {
 
 #[tokio::test]
 async fn tokens_strictly_increase_across_every_way_a_lease_ends() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let owner = fx.host.spawn();
     let mut tokens = vec![held(&fx, "r", Some(TTL), Some(owner.clone())).await.token];
     // Reclaimed from a dead owner.
@@ -257,7 +257,7 @@ async fn tokens_strictly_increase_across_every_way_a_lease_ends() {
 
 #[tokio::test]
 async fn renew_or_activate_past_expiry_is_fenced_and_nothing_is_resurrected() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let lease = held(&fx, "r", Some(TTL), None).await;
     let mut reserve = cmd("s", "a", Some(TTL), None);
     reserve.reserve = true;
@@ -301,7 +301,7 @@ async fn renew_or_activate_past_expiry_is_fenced_and_nothing_is_resurrected() {
 
 #[tokio::test]
 async fn activate_binds_an_owner_to_a_reserved_lease_with_the_same_token() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let mut reserve = cmd("s", "a", None, None);
     reserve.reserve = true;
     let reserved = acquire(&fx, reserve).await.expect("reserved").lease;
@@ -325,7 +325,7 @@ async fn activate_binds_an_owner_to_a_reserved_lease_with_the_same_token() {
 
 #[tokio::test]
 async fn release_is_idempotent_with_the_same_token_and_fenced_otherwise() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let lease = held(&fx, "r", Some(TTL), None).await;
     let mark = fx.mark().await;
     let wrong = release(&fx, &lease.id, lease.token + 1).await;
@@ -354,7 +354,7 @@ async fn release_is_idempotent_with_the_same_token_and_fenced_otherwise() {
 
 #[tokio::test]
 async fn a_child_needs_a_current_parent_but_its_release_does_not() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let parent = held(&fx, "p", None, Some(fx.host.spawn())).await;
     let child_of = |token: i64| {
         let mut c = cmd("p/child", "c", None, None);
@@ -397,7 +397,7 @@ async fn a_child_needs_a_current_parent_but_its_release_does_not() {
 
 #[tokio::test]
 async fn a_parent_whose_owner_died_ends_when_a_child_asks_for_it() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let owner = fx.host.spawn();
     let parent = held(&fx, "p", None, Some(owner.clone())).await;
     fx.host.kill(owner.pid);
@@ -413,7 +413,7 @@ async fn a_parent_whose_owner_died_ends_when_a_child_asks_for_it() {
 
 #[tokio::test]
 async fn break_ends_a_lease_whatever_its_owner() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let lease = held(&fx, "r", None, Some(fx.host.spawn())).await;
     let mark = fx.mark().await;
     let v = break_lease(&fx, &lease.id).await.expect("broken");
@@ -431,7 +431,7 @@ async fn break_ends_a_lease_whatever_its_owner() {
 
 #[tokio::test]
 async fn reconcile_ends_dead_owner_and_ttl_passed_leases_only() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let (dead, live, denied) = (fx.host.spawn(), fx.host.spawn(), fx.host.spawn());
     let ends = [
         (

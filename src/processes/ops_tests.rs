@@ -135,7 +135,7 @@ async fn exited(fx: &Fixture, id: &str, pid: i32, code: i32) {
 
 #[tokio::test]
 async fn confirm_runs_a_registered_process_once() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let mark = fx.mark().await;
     let rec = register(&fx, create_cmd()).await;
     fx.now += 5;
@@ -198,7 +198,7 @@ fn running_with(marker: &str) -> Vec<i32> {
 
 #[tokio::test]
 async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     // The fake host knows no real pid: reading the new child's identity fails.
     let procs = processes(&fx);
     let marker = format!("holdfast-untracked-{}", uuid::Uuid::now_v7());
@@ -236,7 +236,7 @@ async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
 
 #[tokio::test]
 async fn confirm_of_an_absent_or_unreadable_pid_records_nothing() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let procs = processes(&fx);
     let rec = register(&fx, create_cmd()).await;
     let mark = fx.mark().await;
@@ -264,7 +264,7 @@ async fn confirm_of_an_absent_or_unreadable_pid_records_nothing() {
 
 #[tokio::test]
 async fn heartbeat_is_fenced_by_token_and_by_the_end() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let (rec, ident) = running(&fx, kept(None)).await;
     let mark = fx.mark().await;
     fx.now += TTL - 1;
@@ -289,7 +289,7 @@ async fn heartbeat_is_fenced_by_token_and_by_the_end() {
 
 #[tokio::test]
 async fn finish_refuses_a_live_process_and_is_idempotent_after() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let (rec, ident) = running(&fx, create_cmd()).await;
     let mark = fx.mark().await;
     let alive = finish(&fx, &rec.id, 1).await;
@@ -328,7 +328,7 @@ async fn lease(fx: &Fixture) -> LeaseView {
 
 #[tokio::test]
 async fn a_process_is_claimed_once_its_lease_ended_and_gets_a_new_token() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let l = lease(&fx).await;
     let c = owned_by(&l, l.token);
     let (rec, _) = running(&fx, c).await;
@@ -350,7 +350,7 @@ async fn a_process_is_claimed_once_its_lease_ended_and_gets_a_new_token() {
 
 #[tokio::test]
 async fn a_process_is_claimed_when_its_heartbeat_ttl_passed_and_its_owner_is_not_live() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let owner = fx.host.spawn();
     let (rec, _) = running(&fx, kept(Some(owner.clone()))).await;
 
@@ -367,7 +367,7 @@ async fn a_process_is_claimed_when_its_heartbeat_ttl_passed_and_its_owner_is_not
 async fn a_live_or_unverifiable_owner_keeps_its_process_past_the_heartbeat_ttl() {
     let live: fn(&FakeHost, i32) = |_, _| {};
     for stage in [live, FakeHost::deny, FakeHost::unreadable] {
-        let mut fx = Fixture::new();
+        let mut fx = Fixture::new().await;
         let owner = fx.host.spawn();
         let (rec, _) = running(&fx, kept(Some(owner.clone()))).await;
         stage(&fx.host, owner.pid);
@@ -382,7 +382,7 @@ async fn a_live_or_unverifiable_owner_keeps_its_process_past_the_heartbeat_ttl()
 
 #[tokio::test]
 async fn claiming_a_starting_record_ends_it_stopped() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let rec = register(&fx, kept(None)).await;
     fx.now += TTL;
     let mark = fx.mark().await;
@@ -395,7 +395,7 @@ async fn claiming_a_starting_record_ends_it_stopped() {
 
 #[tokio::test]
 async fn an_orphan_ends_stopped_when_its_tree_settled() {
-    let mut fx = Fixture::new();
+    let mut fx = Fixture::new().await;
     let (rec, _) = running(&fx, kept(None)).await;
     fx.now += TTL;
     let claimed = claim(&fx, &rec.id).await.expect("claimed");
@@ -432,7 +432,7 @@ async fn end_orphan(fx: &Fixture, id: &str, token: i64, outcome: Stopped, first:
 
 #[tokio::test]
 async fn exited_ends_a_running_record_and_only_informs_a_stopping_one() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let (a, ia) = running(&fx, create_cmd()).await;
     let (b, ib) = running(&fx, create_cmd()).await;
     let mark = fx.mark().await;
@@ -463,7 +463,7 @@ async fn exited_ends_a_running_record_and_only_informs_a_stopping_one() {
 
 #[tokio::test]
 async fn a_stop_that_finds_the_pid_reused_ends_it_exited_with_identity_mismatch() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let (rec, ident) = running(&fx, create_cmd()).await;
     let Ok(StopStart::Signal(stopping)) = begin_stop(&fx, &rec.id, 1).await else {
         panic!("a running process is signalled");
@@ -497,7 +497,7 @@ async fn a_stop_that_finds_the_pid_reused_ends_it_exited_with_identity_mismatch(
 
 #[tokio::test]
 async fn stop_refuses_a_remote_process_and_ends_a_starting_one_unsignalled() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let rec = register(&fx, create_cmd()).await;
     confirm(&fx, &rec.id, 1, fx.host.remote())
         .await
@@ -521,7 +521,7 @@ async fn stop_refuses_a_remote_process_and_ends_a_starting_one_unsignalled() {
 
 #[tokio::test]
 async fn a_process_needs_a_current_lease_to_be_created() {
-    let fx = Fixture::new();
+    let fx = Fixture::new().await;
     let l = lease(&fx).await;
     let c = owned_by(&l, l.token + 1);
     let host_id = fx.host.local().host_id.clone();

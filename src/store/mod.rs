@@ -2,8 +2,14 @@
 //! transaction (`Store::write`); each job sees a `Tx` and nothing else, so
 //! the rules in `leases` never know which database is behind them.
 
+pub mod db;
+mod group;
+mod migrate;
 pub mod postgres;
+mod rows;
 pub(crate) mod sql;
+mod sql_store;
+mod sql_tx;
 pub mod sqlite;
 
 use std::any::Any;

@@ -1,16 +1,38 @@
 //! SQL text both stores share: column lists, what "current" means, filters.
+//! Columns are macros so that statements are `concat!`ed at compile time.
 
+use super::db::Stmt;
 use crate::model::{LeaseFilter, ProcessFilter, StateFilter};
 
-pub const LEASE_COLS: &str = "id, resource, token, holder, state, owner, parent_id, parent_resource, \
-     parent_token, ttl_ms, expires_at, acquired_at, renewed_at, ended_at, end_reason, metadata";
-pub const LEASE_CURRENT: &str = "state IN ('reserved', 'active')";
-pub const PROCESS_COLS: &str = "id, kind, state, token, operation_id, lease_id, lease_token, host_id, identity, owner, \
-     spawned, command, stdout_path, stderr_path, exit_code, exit_signal, ttl_ms, expires_at, \
-     created_at, started_at, ended_at, end_reason, metadata";
-pub const PROCESS_CURRENT: &str = "state IN ('starting', 'running', 'stopping', 'orphaned')";
-pub const PORT_COLS: &str =
-    "id, host_id, port, name, owner_kind, owner_id, owner_token, reserved_at, released_at";
+macro_rules! lease_cols {
+    () => {
+        "id, resource, token, holder, state, owner, parent_id, parent_resource, parent_token, \
+         ttl_ms, expires_at, acquired_at, renewed_at, ended_at, end_reason, metadata"
+    };
+}
+macro_rules! lease_current {
+    () => {
+        "state IN ('reserved', 'active')"
+    };
+}
+macro_rules! process_cols {
+    () => {
+        "id, kind, state, token, operation_id, lease_id, lease_token, host_id, identity, owner, \
+         spawned, command, stdout_path, stderr_path, exit_code, exit_signal, ttl_ms, expires_at, \
+         created_at, started_at, ended_at, end_reason, metadata"
+    };
+}
+macro_rules! process_current {
+    () => {
+        "state IN ('starting', 'running', 'stopping', 'orphaned')"
+    };
+}
+macro_rules! port_cols {
+    () => {
+        "id, host_id, port, name, owner_kind, owner_id, owner_token, reserved_at, released_at"
+    };
+}
+pub(crate) use {lease_cols, lease_current, port_cols, process_cols, process_current};
 
 /// `SELECT cols FROM table WHERE <state filter>`, to which filters are appended.
 fn select_by_state(cols: &str, table: &str, current: &str, state: StateFilter) -> String {
@@ -21,31 +43,38 @@ fn select_by_state(cols: &str, table: &str, current: &str, state: StateFilter) -
     }
 }
 
-/// Append ` AND <clause>` for each filter that has a value; `?N` in a
-/// clause names that value's parameter, written as `mark` and its position
-/// (`?1` for SQLite, `$1` for PostgreSQL). Returns the values, in order.
-fn push_filters<'a>(
-    mark: char,
-    sql: &mut String,
-    filters: &[(&'a Option<String>, &str)],
-) -> Vec<&'a str> {
+/// Append ` AND <clause>` for each filter that has a value, `?N` in a clause
+/// standing for that value's parameter. Returns the values, in order.
+fn push_filters<'a>(sql: &mut String, filters: &[(&'a Option<String>, &str)]) -> Vec<&'a str> {
     let mut args = Vec::new();
     for (value, clause) in filters {
         if let Some(v) = value {
             args.push(v.as_str());
             sql.push_str(" AND ");
-            sql.push_str(&clause.replace("?N", &format!("{mark}{}", args.len())));
+            sql.push_str(&clause.replace("?N", &format!("${}", args.len())));
         }
     }
     args
 }
 
-/// A page of `list_leases`: the SQL, with parameters written as `mark` and
-/// their position, and the parameter values in order.
-pub fn list_leases(mark: char, f: &LeaseFilter) -> (String, Vec<&str>) {
-    let mut sql = select_by_state(LEASE_COLS, "leases", LEASE_CURRENT, f.state);
+/// A page of SQL with its text values, `$1` first.
+pub struct Page<'a> {
+    pub sql: String,
+    pub args: Vec<&'a str>,
+}
+
+impl Page<'_> {
+    pub fn stmt(&self) -> Stmt<'_> {
+        self.args
+            .iter()
+            .fold(Stmt::new(&self.sql), |s, a| s.text(a))
+    }
+}
+
+/// A page of `list_leases`.
+pub fn list_leases(f: &LeaseFilter) -> Page<'_> {
+    let mut sql = select_by_state(lease_cols!(), "leases", lease_current!(), f.state);
     let args = push_filters(
-        mark,
         &mut sql,
         &[
             (&f.resource, "resource = ?N"),
@@ -57,14 +86,13 @@ pub fn list_leases(mark: char, f: &LeaseFilter) -> (String, Vec<&str>) {
         ],
     );
     sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
-    (sql, args)
+    Page { sql, args }
 }
 
 /// A page of `list_processes`, as `list_leases`.
-pub fn list_processes(mark: char, f: &ProcessFilter) -> (String, Vec<&str>) {
-    let mut sql = select_by_state(PROCESS_COLS, "processes", PROCESS_CURRENT, f.state);
+pub fn list_processes(f: &ProcessFilter) -> Page<'_> {
+    let mut sql = select_by_state(process_cols!(), "processes", process_current!(), f.state);
     let args = push_filters(
-        mark,
         &mut sql,
         &[
             (&f.kind, "kind = ?N"),
@@ -74,5 +102,19 @@ pub fn list_processes(mark: char, f: &ProcessFilter) -> (String, Vec<&str>) {
         ],
     );
     sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
-    (sql, args)
+    Page { sql, args }
+}
+
+/// The current reservations of `owner_ids`, by owner then name.
+pub fn ports_of_owners(owner_ids: &[String]) -> Page<'_> {
+    let marks: Vec<String> = (1..=owner_ids.len()).map(|i| format!("${i}")).collect();
+    Page {
+        sql: format!(
+            "SELECT {} FROM ports WHERE released_at IS NULL AND owner_id IN ({}) \
+             ORDER BY owner_id, name",
+            port_cols!(),
+            marks.join(", ")
+        ),
+        args: owner_ids.iter().map(String::as_str).collect(),
+    }
 }

@@ -25,7 +25,7 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    pub fn new() -> Self {
+    pub async fn new() -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let host = Arc::new(FakeHost::new());
         let backend = SqliteStore::open(
@@ -34,6 +34,7 @@ impl Fixture {
             T0,
             Arc::new(Hub::new(0)),
         )
+        .await
         .expect("open the store");
         Self {
             host,

@@ -58,7 +58,10 @@ async fn a_schema_newer_than_this_build_is_refused() {
         s.kill9().await;
         let url = database_for(dir.path()).await;
         let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
-        sqlx::query("INSERT INTO holdfast_schema (version) VALUES (99)")
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+             VALUES (99, 'from the future', TRUE, '\\x00', 0)",
+        )
             .execute(&mut db)
             .await
             .expect("insert");

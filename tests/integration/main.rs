@@ -18,4 +18,5 @@ mod sse;
 mod store_contract;
 mod stores;
 mod support;
+mod upgrade;
 mod waiting;

@@ -76,6 +76,7 @@ impl Place {
         let backend: Arc<dyn Backend> = match &self.url {
             None => Arc::new(
                 SqliteStore::open(&self.sqlite_path(), boot_id, T0, effects.clone())
+                    .await
                     .expect("open the sqlite store"),
             ),
             Some(url) => {

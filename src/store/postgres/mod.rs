@@ -4,8 +4,6 @@
 //! behind writes; commits on other hosts arrive through `notify`.
 
 mod notify;
-mod rows;
-mod rows_process;
 mod schema;
 mod writer;
 
@@ -13,14 +11,13 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, Postgres};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{Column, PgConnection, Postgres, Row, TypeInfo};
 
-use super::{Backend, BoxFuture, CommitListener, JobFn, JobOutput, Result, StoreError};
-use crate::model::{EventRow, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord};
+use super::db::{Cols, Db, Stmt, query, scalar};
+use super::sql_store::SqlStore;
+use super::{BoxFuture, CommitListener, Result, StoreError};
 use crate::time::Millis;
-use writer::Writer;
 
 pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     match &e {
@@ -50,18 +47,6 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
     }
 }
 
-/// For a failure to get a connection from `pool`: the database cannot be
-/// reached, unless every connection is merely in use. (sqlx answers a
-/// refused connect it kept retrying with the same timeout as a full pool.)
-pub(crate) fn map_conn_err(pool: &PgPool, e: sqlx::Error) -> StoreError {
-    match e {
-        sqlx::Error::PoolTimedOut if pool.size() >= pool.options().get_max_connections() => {
-            StoreError::Busy
-        }
-        e => StoreError::Unavailable(format!("cannot reach the database: {e}")),
-    }
-}
-
 /// How the server uses its database connections.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
@@ -71,10 +56,7 @@ pub struct PoolSettings {
     pub timeout: Duration,
 }
 
-pub struct PgStore {
-    pool: PgPool,
-    writer: Arc<Writer>,
-}
+pub type PgStore = SqlStore<Postgres>;
 
 /// `postgres://host:port/db`, without user or password, for messages.
 fn describe(opts: &PgConnectOptions) -> String {
@@ -86,7 +68,92 @@ fn describe(opts: &PgConnectOptions) -> String {
     )
 }
 
-impl PgStore {
+impl Cols for PgRow {
+    fn opt_text(&self, i: usize) -> Result<Option<String>> {
+        self.try_get(i).map_err(map_err)
+    }
+
+    /// The schema has INTEGER columns (ports, exit statuses) besides BIGINT
+    /// ones, and PostgreSQL decodes each only as its own width.
+    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
+        match self.column(i).type_info().name() {
+            "INT4" => Ok(self
+                .try_get::<Option<i32>, _>(i)
+                .map_err(map_err)?
+                .map(i64::from)),
+            "INT2" => Ok(self
+                .try_get::<Option<i16>, _>(i)
+                .map_err(map_err)?
+                .map(i64::from)),
+            _ => self.try_get(i).map_err(map_err),
+        }
+    }
+
+    fn flag(&self, i: usize) -> Result<bool> {
+        self.try_get(i).map_err(map_err)
+    }
+}
+
+impl Db for Postgres {
+    const KIND: &'static str = "postgres";
+    // Other hosts judge expiry from the table: a renewal is written first.
+    const RELAXED_RENEWALS: bool = false;
+
+    fn map_err(e: sqlx::Error) -> StoreError {
+        map_err(e)
+    }
+
+    fn fetch<'c>(c: &'c mut PgConnection, s: Stmt<'c>) -> BoxFuture<'c, Result<Vec<PgRow>>> {
+        Box::pin(async move {
+            query::<Postgres>(s.sql, s.args)
+                .fetch_all(c)
+                .await
+                .map_err(map_err)
+        })
+    }
+
+    fn execute<'c>(c: &'c mut PgConnection, s: Stmt<'c>) -> BoxFuture<'c, Result<u64>> {
+        Box::pin(async move {
+            let done = query::<Postgres>(s.sql, s.args)
+                .execute(c)
+                .await
+                .map_err(map_err)?;
+            Ok(done.rows_affected())
+        })
+    }
+
+    /// Take the next seq from the counter row (which the transaction already
+    /// holds locked, see `writer`) and append the event under it.
+    fn append_event<'c>(
+        c: &'c mut PgConnection,
+        at: Millis,
+        body: &'c str,
+    ) -> BoxFuture<'c, Result<i64>> {
+        let s = Stmt::new(
+            "WITH s AS (UPDATE event_seq SET seq = seq + 1 RETURNING seq) \
+             INSERT INTO events (seq, at, body) SELECT seq, $1, $2 FROM s RETURNING seq",
+        );
+        Box::pin(async move {
+            scalar::<Postgres>(c, s.int(at).text(body))
+                .await?
+                .ok_or_else(|| StoreError::Other("no seq was returned".into()))
+        })
+    }
+
+    /// Every event up to it is committed, since seqs are taken under the
+    /// counter's row lock and become visible in order.
+    fn last_event_seq(c: &mut PgConnection) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(async move {
+            Ok(
+                scalar::<Postgres>(c, Stmt::new("SELECT seq FROM event_seq"))
+                    .await?
+                    .unwrap_or(0),
+            )
+        })
+    }
+}
+
+impl SqlStore<Postgres> {
     /// Connect, migrate, and start listening for the other hosts' commits.
     pub async fn connect(
         url: &str,
@@ -118,125 +185,13 @@ impl PgStore {
         schema::migrate(&pool).await?;
         let notifier = notify::Notifier::new();
         notifier.spawn_listener(url.to_owned(), pool.clone(), listener.clone());
-        let writer = Writer::new(
+        let writer = writer::start(
             pool.clone(),
             listener,
             notifier,
             settings.timeout.saturating_mul(3),
         );
         tracing::info!(database = %place, "using PostgreSQL");
-        Ok(Self { pool, writer })
-    }
-
-    async fn conn(&self) -> Result<PoolConnection<Postgres>> {
-        let pool = &self.pool;
-        pool.acquire().await.map_err(|e| map_conn_err(pool, e))
-    }
-}
-
-impl Backend for PgStore {
-    fn write(&self, _durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>> {
-        Box::pin(self.writer.write(job))
-    }
-
-    fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        Box::pin(async move { rows::lease(&mut *self.conn().await?, id).await })
-    }
-
-    fn list_leases<'a>(
-        &'a self,
-        filter: &'a LeaseFilter,
-    ) -> BoxFuture<'a, Result<Vec<LeaseRecord>>> {
-        Box::pin(async move { rows::list_leases(&mut *self.conn().await?, filter).await })
-    }
-
-    fn leases_to_reconcile(&self, now: Millis) -> BoxFuture<'_, Result<Vec<LeaseRecord>>> {
-        Box::pin(async move { rows::leases_to_reconcile(&mut *self.conn().await?, now).await })
-    }
-
-    fn count_current_leases(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(async move { rows::count_current_leases(&mut *self.conn().await?).await })
-    }
-
-    fn get_process<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
-        Box::pin(async move { rows_process::process(&mut *self.conn().await?, id).await })
-    }
-
-    fn list_processes<'a>(
-        &'a self,
-        filter: &'a ProcessFilter,
-    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
-        Box::pin(
-            async move { rows_process::list_processes(&mut *self.conn().await?, filter).await },
-        )
-    }
-
-    fn current_processes<'a>(
-        &'a self,
-        host_id: &'a str,
-    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
-        Box::pin(
-            async move { rows_process::current_processes(&mut *self.conn().await?, host_id).await },
-        )
-    }
-
-    fn count_current_processes(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(
-            async move { rows_process::count_current_processes(&mut *self.conn().await?).await },
-        )
-    }
-
-    fn owner_ports<'a>(
-        &'a self,
-        owner_ids: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        Box::pin(
-            async move { rows_process::ports_of_owners(&mut *self.conn().await?, owner_ids).await },
-        )
-    }
-
-    fn list_ports<'a>(
-        &'a self,
-        host_id: Option<&'a str>,
-        after_port: u16,
-        limit: u32,
-    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        Box::pin(async move {
-            rows_process::list_ports(&mut *self.conn().await?, host_id, after_port, limit).await
-        })
-    }
-
-    fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {
-        Box::pin(async move { rows::events(&mut *self.conn().await?, after, limit).await })
-    }
-
-    fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(async move { rows::last_event_seq(&mut *self.conn().await?).await })
-    }
-
-    fn pruned_through(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(async move { rows::pruned_through(&mut *self.conn().await?).await })
-    }
-
-    /// A write through the fleet-wide lock, so a host that cannot take it
-    /// (another host stuck holding it, the database read-only) is not ready.
-    fn check_writable(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let job: JobFn = Box::new(|_tx| Box::pin(async { Ok(Box::new(()) as JobOutput) }));
-            self.writer.write(job).await.map(|_| ())
-        })
-    }
-
-    fn kind(&self) -> &'static str {
-        "postgres"
-    }
-
-    fn relaxed_renewals(&self) -> bool {
-        // Other hosts judge expiry from the table: a renewal is written first.
-        false
-    }
-
-    fn close(&self) -> BoxFuture<'_, ()> {
-        Box::pin(self.pool.close())
+        Ok(SqlStore::new(pool, writer))
     }
 }

@@ -123,8 +123,8 @@ async fn resync(pool: &PgPool, listener: &dyn CommitListener) -> Result<()> {
     let mut c = pool
         .acquire()
         .await
-        .map_err(|e| super::map_conn_err(pool, e))?;
-    let seq = super::rows::last_event_seq(&mut c).await?;
+        .map_err(|e| crate::store::db::conn_err(pool, e))?;
+    let seq = <sqlx::Postgres as crate::store::db::Db>::last_event_seq(&mut c).await?;
     listener.committed(&[Effect::Event(seq), Effect::Missed]);
     Ok(())
 }

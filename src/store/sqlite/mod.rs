@@ -1,272 +1,172 @@
-//! The embedded SQLite store (WAL, `synchronous=FULL`). One connection runs
-//! every mutation with group commit (see `writer`); reads use a pool of
-//! read-only WAL connections on blocking threads and never wait behind writes.
+//! The embedded SQLite store (WAL, `synchronous=FULL`), through sqlx with
+//! the bundled SQLite. One connection runs every mutation with group commit
+//! (see `writer`); reads use a pool of read-only WAL connections and never
+//! wait behind writes.
 
-mod rows;
-mod rows_process;
 mod schema;
 mod writer;
 
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
-use rusqlite::{Connection, ErrorCode, OpenFlags};
-use tokio::sync::{Semaphore, oneshot};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+};
+use sqlx::{Connection, Row, Sqlite, SqliteConnection};
 
-use super::{Backend, BoxFuture, CommitListener, JobFn, JobOutput, Result, StoreError};
-use crate::model::{EventRow, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord};
+use super::db::{Cols, Db, Stmt, query, scalar};
+use super::sql_store::SqlStore;
+use super::{BoxFuture, CommitListener, Result, StoreError};
 use crate::time::Millis;
-use writer::{Job, Shared};
 
-const READERS: usize = 4;
+const READERS: u32 = 4;
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub(crate) fn map_err(e: rusqlite::Error) -> StoreError {
-    match e.sqlite_error_code() {
-        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreError::Busy,
-        Some(
-            ErrorCode::ReadOnly
-            | ErrorCode::SystemIoFailure
-            | ErrorCode::DatabaseCorrupt
-            | ErrorCode::DiskFull
-            | ErrorCode::CannotOpen
-            | ErrorCode::PermissionDenied
-            | ErrorCode::NotADatabase,
-        ) => StoreError::Unavailable(e.to_string()),
+pub type SqliteStore = SqlStore<Sqlite>;
+
+/// SQLite's primary result codes (the low byte of an extended code).
+fn map_err(e: sqlx::Error) -> StoreError {
+    match &e {
+        sqlx::Error::Database(db) => {
+            let code: i32 = db.code().and_then(|c| c.parse().ok()).unwrap_or(0);
+            match code & 0xff {
+                // BUSY, LOCKED
+                5 | 6 => StoreError::Busy,
+                // PERM, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB
+                3 | 8 | 10 | 11 | 13 | 14 | 26 => StoreError::Unavailable(e.to_string()),
+                _ => StoreError::Other(e.to_string()),
+            }
+        }
+        sqlx::Error::PoolTimedOut => StoreError::Busy,
+        sqlx::Error::Io(_) | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
+            StoreError::Unavailable(e.to_string())
+        }
         _ => StoreError::Other(e.to_string()),
     }
 }
 
-fn open(path: &Path, flags: OpenFlags) -> Result<Connection> {
-    let conn = Connection::open_with_flags(path, flags)
-        .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;
-    conn.busy_timeout(BUSY_TIMEOUT).map_err(map_err)?;
-    Ok(conn)
-}
+impl Cols for SqliteRow {
+    fn opt_text(&self, i: usize) -> Result<Option<String>> {
+        self.try_get(i).map_err(map_err)
+    }
 
-/// Read-only connections, opened as needed, used on blocking threads.
-struct ReadPool {
-    path: PathBuf,
-    idle: Mutex<Vec<Connection>>,
-    permits: Semaphore,
-}
+    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
+        self.try_get(i).map_err(map_err)
+    }
 
-impl ReadPool {
-    async fn with<T, F>(self: &Arc<Self>, f: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&Connection) -> Result<T> + Send + 'static,
-    {
-        let _permit = self.permits.acquire().await.map_err(|_| StoreError::Busy)?;
-        let pool = self.clone();
-        tokio::task::spawn_blocking(move || {
-            let idle = pool
-                .idle
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .pop();
-            let conn = match idle {
-                Some(c) => c,
-                None => open(
-                    &pool.path,
-                    OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-                )?,
-            };
-            let out = f(&conn);
-            pool.idle
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(conn);
-            out
-        })
-        .await
-        .map_err(|e| StoreError::Other(format!("read task failed: {e}")))?
+    fn flag(&self, i: usize) -> Result<bool> {
+        self.try_get(i).map_err(map_err)
     }
 }
 
-pub struct SqliteStore {
-    writer: Arc<Shared>,
-    reads: Arc<ReadPool>,
+impl Db for Sqlite {
+    const KIND: &'static str = "sqlite";
+    const RELAXED_RENEWALS: bool = true;
+
+    fn map_err(e: sqlx::Error) -> StoreError {
+        map_err(e)
+    }
+
+    fn fetch<'c>(
+        c: &'c mut SqliteConnection,
+        s: Stmt<'c>,
+    ) -> BoxFuture<'c, Result<Vec<SqliteRow>>> {
+        Box::pin(async move {
+            query::<Sqlite>(s.sql, s.args)
+                .fetch_all(c)
+                .await
+                .map_err(map_err)
+        })
+    }
+
+    fn execute<'c>(c: &'c mut SqliteConnection, s: Stmt<'c>) -> BoxFuture<'c, Result<u64>> {
+        Box::pin(async move {
+            let done = query::<Sqlite>(s.sql, s.args)
+                .execute(c)
+                .await
+                .map_err(map_err)?;
+            Ok(done.rows_affected())
+        })
+    }
+
+    fn append_event<'c>(
+        c: &'c mut SqliteConnection,
+        at: Millis,
+        body: &'c str,
+    ) -> BoxFuture<'c, Result<i64>> {
+        let s = Stmt::new("INSERT INTO events (at, body) VALUES ($1, $2) RETURNING seq");
+        Box::pin(async move {
+            scalar::<Sqlite>(c, s.int(at).text(body))
+                .await?
+                .ok_or_else(|| StoreError::Other("no seq was returned".into()))
+        })
+    }
+
+    /// Kept by AUTOINCREMENT in `sqlite_sequence`, so it holds when
+    /// retention has removed every event (where `max(seq)` would go back).
+    fn last_event_seq(c: &mut SqliteConnection) -> BoxFuture<'_, Result<i64>> {
+        let s = Stmt::new(
+            "SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0)",
+        );
+        Box::pin(async move { Ok(scalar::<Sqlite>(c, s).await?.unwrap_or(0)) })
+    }
 }
 
-impl SqliteStore {
+fn options(path: &Path) -> SqliteConnectOptions {
+    SqliteConnectOptions::new()
+        .filename(path)
+        .busy_timeout(BUSY_TIMEOUT)
+        .pragma("temp_store", "MEMORY")
+}
+
+impl SqlStore<Sqlite> {
     /// Open (creating if needed) and migrate the database at `path`, then
     /// start the writer. `boot_id` is this boot's: if the last run was on
     /// another boot, renewals that were never fsynced may be lost, so every
     /// current lease's expiry is first pushed out by its TTL (never earlier
     /// than promised, possibly later).
-    pub fn open(
+    pub async fn open(
         path: &Path,
         boot_id: &str,
         now: Millis,
         listener: Arc<dyn CommitListener>,
     ) -> Result<Self> {
-        let mut conn = open(path, OpenFlags::default())?;
-        conn.execute_batch(
-            "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA temp_store = MEMORY;",
-        )
-        .map_err(map_err)?;
-        schema::migrate(&mut conn)?;
-        recover(&mut conn, boot_id, now)?;
-        let writer = Shared::new(conn, listener);
-        let reads = Arc::new(ReadPool {
-            path: path.to_path_buf(),
-            idle: Mutex::new(Vec::new()),
-            permits: Semaphore::new(READERS),
-        });
-        Ok(Self { writer, reads })
+        let writer_opts = options(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full);
+        let mut conn = SqliteConnection::connect_with(&writer_opts)
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;
+        schema::migrate(&mut conn).await?;
+        recover(&mut conn, boot_id, now).await?;
+        let reads = SqlitePoolOptions::new()
+            .max_connections(READERS)
+            .min_connections(0)
+            .acquire_timeout(BUSY_TIMEOUT)
+            .connect_lazy_with(options(path).read_only(true));
+        Ok(SqlStore::new(reads, writer::start(conn, listener).await?))
     }
 }
 
-fn recover(conn: &mut Connection, boot_id: &str, now: Millis) -> Result<()> {
-    let tx = conn
-        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-        .map_err(map_err)?;
-    if rows::meta(&tx, "boot_id")?.is_some_and(|b| b != boot_id) {
-        let n = rows::extend_current_ttls(&tx, now)?;
+async fn recover(conn: &mut SqliteConnection, boot_id: &str, now: Millis) -> Result<()> {
+    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map_err)?;
+    if super::rows::meta::<Sqlite>(&mut *tx, "boot_id")
+        .await?
+        .is_some_and(|b| b != boot_id)
+    {
+        let s = Stmt::new(concat!(
+            "UPDATE leases SET expires_at = max(expires_at, $1 + ttl_ms) WHERE ",
+            super::sql::lease_current!(),
+            " AND ttl_ms IS NOT NULL"
+        ));
+        let n = Sqlite::execute(&mut *tx, s.int(now)).await?;
         tracing::info!(
             leases = n,
             "host rebooted since the last run: current leases get their full TTL again"
         );
     }
-    rows::set_meta(&tx, "boot_id", boot_id)?;
-    tx.commit().map_err(map_err)
-}
-
-impl Backend for SqliteStore {
-    fn write(&self, durable: bool, run: JobFn) -> BoxFuture<'_, Result<JobOutput>> {
-        Box::pin(async move {
-            let (reply, rx) = oneshot::channel();
-            self.writer.submit(Job {
-                durable,
-                run,
-                reply,
-            })?;
-            self.writer.lead_from_async();
-            rx.await
-                .map_err(|_| StoreError::Unavailable("the writer stopped".into()))?
-        })
-    }
-
-    fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        let id = id.to_owned();
-        Box::pin(self.reads.with(move |c| rows::lease(c, &id)))
-    }
-
-    fn list_leases<'a>(
-        &'a self,
-        filter: &'a LeaseFilter,
-    ) -> BoxFuture<'a, Result<Vec<LeaseRecord>>> {
-        let filter = filter.clone();
-        Box::pin(self.reads.with(move |c| rows::list_leases(c, &filter)))
-    }
-
-    fn leases_to_reconcile(&self, now: Millis) -> BoxFuture<'_, Result<Vec<LeaseRecord>>> {
-        Box::pin(self.reads.with(move |c| rows::leases_to_reconcile(c, now)))
-    }
-
-    fn count_current_leases(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(self.reads.with(rows::count_current_leases))
-    }
-
-    fn get_process<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
-        let id = id.to_owned();
-        Box::pin(self.reads.with(move |c| rows_process::process(c, &id)))
-    }
-
-    fn list_processes<'a>(
-        &'a self,
-        filter: &'a ProcessFilter,
-    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
-        let filter = filter.clone();
-        Box::pin(
-            self.reads
-                .with(move |c| rows_process::list_processes(c, &filter)),
-        )
-    }
-
-    fn current_processes<'a>(
-        &'a self,
-        host_id: &'a str,
-    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
-        let host_id = host_id.to_owned();
-        Box::pin(
-            self.reads
-                .with(move |c| rows_process::current_processes(c, &host_id)),
-        )
-    }
-
-    fn count_current_processes(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(self.reads.with(rows_process::count_current_processes))
-    }
-
-    fn owner_ports<'a>(
-        &'a self,
-        owner_ids: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        let owner_ids = owner_ids.to_vec();
-        Box::pin(
-            self.reads
-                .with(move |c| rows_process::ports_of_owners(c, &owner_ids)),
-        )
-    }
-
-    fn list_ports<'a>(
-        &'a self,
-        host_id: Option<&'a str>,
-        after_port: u16,
-        limit: u32,
-    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        let host_id = host_id.map(str::to_owned);
-        Box::pin(
-            self.reads
-                .with(move |c| rows_process::list_ports(c, host_id.as_deref(), after_port, limit)),
-        )
-    }
-
-    fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {
-        Box::pin(self.reads.with(move |c| rows::events(c, after, limit)))
-    }
-
-    fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(self.reads.with(rows::last_event_seq))
-    }
-
-    fn pruned_through(&self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(self.reads.with(rows::pruned_through))
-    }
-
-    fn check_writable(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let now = crate::time::now_ms().to_string();
-            let job: JobFn = Box::new(move |tx| {
-                Box::pin(async move {
-                    tx.set_meta("probe", &now).await?;
-                    Ok(Box::new(()) as JobOutput)
-                })
-            });
-            self.write(false, job).await.map(|_| ())
-        })
-    }
-
-    fn kind(&self) -> &'static str {
-        "sqlite"
-    }
-
-    fn relaxed_renewals(&self) -> bool {
-        true
-    }
-
-    fn close(&self) -> BoxFuture<'_, ()> {
-        Box::pin(async move {
-            let writer = self.writer.clone();
-            if tokio::task::spawn_blocking(move || writer.close())
-                .await
-                .is_err()
-            {
-                tracing::warn!("closing the sqlite store failed");
-            }
-        })
-    }
+    super::rows::set_meta::<Sqlite>(&mut *tx, "boot_id", boot_id).await?;
+    tx.commit().await.map_err(map_err)
 }

@@ -1,0 +1,167 @@
+//! What the two databases differ in, in one place. Statements are written
+//! once, with `$N` parameters (which sqlx's SQLite driver reads as `?N`),
+//! as a `Stmt` of plain values; each driver binds those values and decodes
+//! columns (`Cols`) its own way, and maps its errors to `StoreError`.
+
+use sqlx::Database;
+
+use super::{BoxFuture, Result, StoreError};
+use crate::time::Millis;
+
+/// A parameter value, as every statement of the stores binds it.
+#[derive(Debug, Clone)]
+pub enum Arg<'a> {
+    Text(Option<&'a str>),
+    Owned(Option<String>),
+    Int(Option<i64>),
+    Bool(bool),
+}
+
+/// One statement and its parameters, `$1` first.
+#[derive(Debug)]
+pub struct Stmt<'a> {
+    pub sql: &'a str,
+    pub args: Vec<Arg<'a>>,
+}
+
+impl<'a> Stmt<'a> {
+    pub fn new(sql: &'a str) -> Self {
+        Self {
+            sql,
+            args: Vec::new(),
+        }
+    }
+
+    pub fn text(mut self, v: &'a str) -> Self {
+        self.args.push(Arg::Text(Some(v)));
+        self
+    }
+
+    pub fn opt_text(mut self, v: Option<&'a str>) -> Self {
+        self.args.push(Arg::Text(v));
+        self
+    }
+
+    pub fn owned(mut self, v: Option<String>) -> Self {
+        self.args.push(Arg::Owned(v));
+        self
+    }
+
+    pub fn int(mut self, v: i64) -> Self {
+        self.args.push(Arg::Int(Some(v)));
+        self
+    }
+
+    pub fn opt_int(mut self, v: Option<i64>) -> Self {
+        self.args.push(Arg::Int(v));
+        self
+    }
+
+    pub fn flag(mut self, v: bool) -> Self {
+        self.args.push(Arg::Bool(v));
+        self
+    }
+}
+
+/// The columns of a row, as the records use them.
+pub trait Cols {
+    fn opt_text(&self, i: usize) -> Result<Option<String>>;
+    fn opt_int(&self, i: usize) -> Result<Option<i64>>;
+    fn flag(&self, i: usize) -> Result<bool>;
+
+    fn text(&self, i: usize) -> Result<String> {
+        self.opt_text(i)?.ok_or_else(|| null_column(i))
+    }
+
+    fn int(&self, i: usize) -> Result<i64> {
+        self.opt_int(i)?.ok_or_else(|| null_column(i))
+    }
+}
+
+fn null_column(i: usize) -> StoreError {
+    StoreError::Other(format!("column {i} is null where a value is required"))
+}
+
+/// One of the two databases, as the shared statements use it.
+pub trait Db: Database<Row: Cols> {
+    /// As `/readyz` names the store.
+    const KIND: &'static str;
+    /// Renewals may be answered before they reach stable storage (a
+    /// single-host store that stretches TTLs after a crash instead).
+    const RELAXED_RENEWALS: bool;
+
+    fn map_err(e: sqlx::Error) -> StoreError;
+    fn fetch<'c>(c: &'c mut Self::Connection, s: Stmt<'c>)
+    -> BoxFuture<'c, Result<Vec<Self::Row>>>;
+    /// Run `s`; the number of rows it changed.
+    fn execute<'c>(c: &'c mut Self::Connection, s: Stmt<'c>) -> BoxFuture<'c, Result<u64>>;
+    /// Append an event under the next seq and return it.
+    fn append_event<'c>(
+        c: &'c mut Self::Connection,
+        at: Millis,
+        body: &'c str,
+    ) -> BoxFuture<'c, Result<i64>>;
+    /// The last seq handed out (which retention never lowers).
+    fn last_event_seq(c: &mut Self::Connection) -> BoxFuture<'_, Result<i64>>;
+}
+
+/// For a failure to get a connection from `pool`: the database cannot be
+/// reached, unless every connection is merely in use. (sqlx answers a
+/// refused connect it kept retrying with the same timeout as a full pool.)
+pub fn conn_err<D: Database>(pool: &sqlx::Pool<D>, e: sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::PoolTimedOut if pool.size() >= pool.options().get_max_connections() => {
+            StoreError::Busy
+        }
+        e => StoreError::Unavailable(format!("cannot reach the database: {e}")),
+    }
+}
+
+/// Bind `args` to `sql` for a driver whose value types include these.
+pub(crate) fn query<'q, D>(
+    sql: &'q str,
+    args: Vec<Arg<'q>>,
+) -> sqlx::query::Query<'q, D, <D as Database>::Arguments<'q>>
+where
+    D: Database,
+    Option<&'q str>: sqlx::Encode<'q, D> + sqlx::Type<D>,
+    Option<String>: sqlx::Encode<'q, D> + sqlx::Type<D>,
+    Option<i64>: sqlx::Encode<'q, D> + sqlx::Type<D>,
+    bool: sqlx::Encode<'q, D> + sqlx::Type<D>,
+{
+    let mut q = sqlx::query(sql);
+    for a in args {
+        q = match a {
+            Arg::Text(v) => q.bind(v),
+            Arg::Owned(v) => q.bind(v),
+            Arg::Int(v) => q.bind(v),
+            Arg::Bool(v) => q.bind(v),
+        };
+    }
+    q
+}
+
+/// One row of one column.
+pub async fn scalar<D: Db>(c: &mut D::Connection, s: Stmt<'_>) -> Result<Option<i64>> {
+    match D::fetch(c, s).await?.first() {
+        Some(r) => r.opt_int(0),
+        None => Ok(None),
+    }
+}
+
+pub(crate) fn decode_err(what: &str, e: impl std::fmt::Display) -> StoreError {
+    StoreError::Other(format!("stored {what} does not decode: {e}"))
+}
+
+pub(crate) fn from_json<T: serde::de::DeserializeOwned>(
+    what: &str,
+    s: Option<String>,
+) -> Result<Option<T>> {
+    s.map(|s| serde_json::from_str(&s))
+        .transpose()
+        .map_err(|e| decode_err(what, e))
+}
+
+pub(crate) fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
+    serde_json::to_string(v).map_err(|e| StoreError::Other(e.to_string()))
+}

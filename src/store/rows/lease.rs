@@ -1,0 +1,153 @@
+//! Leases and the fencing-token counter.
+
+use crate::model::{LeaseFilter, LeaseRecord, LeaseState, ParentRef};
+use crate::store::db::{Cols, Db, Stmt, decode_err, from_json, scalar, to_json};
+use crate::store::sql::{self, lease_cols, lease_current};
+use crate::store::{Result, StoreError};
+use crate::time::Millis;
+
+fn lease_row(r: &impl Cols) -> Result<LeaseRecord> {
+    let parent = match r.opt_text(6)? {
+        Some(id) => Some(ParentRef {
+            id,
+            resource: r.opt_text(7)?.unwrap_or_default(),
+            token: r.opt_int(8)?.unwrap_or_default(),
+        }),
+        None => None,
+    };
+    let state = r.text(4)?;
+    Ok(LeaseRecord {
+        id: r.text(0)?,
+        resource: r.text(1)?,
+        token: r.int(2)?,
+        holder: r.text(3)?,
+        state: LeaseState::parse(&state).ok_or_else(|| decode_err("lease state", &state))?,
+        owner: from_json("owner", r.opt_text(5)?)?,
+        parent,
+        ttl_ms: r.opt_int(9)?,
+        expires_at: r.opt_int(10)?,
+        acquired_at: r.int(11)?,
+        renewed_at: r.opt_int(12)?,
+        ended_at: r.opt_int(13)?,
+        end_reason: r.opt_text(14)?,
+        metadata: serde_json::from_str(&r.text(15)?).map_err(|e| decode_err("metadata", e))?,
+    })
+}
+
+async fn leases<D: Db>(c: &mut D::Connection, s: Stmt<'_>) -> Result<Vec<LeaseRecord>> {
+    D::fetch(c, s).await?.iter().map(lease_row).collect()
+}
+
+pub async fn lease<D: Db>(c: &mut D::Connection, id: &str) -> Result<Option<LeaseRecord>> {
+    const SQL: &str = concat!("SELECT ", lease_cols!(), " FROM leases WHERE id = $1");
+    Ok(leases::<D>(c, Stmt::new(SQL).text(id)).await?.pop())
+}
+
+/// The current lease of `resource`. No row lock: every write transaction
+/// already excludes the others (SQLite's one writer, PostgreSQL's lock).
+pub async fn current_lease<D: Db>(
+    c: &mut D::Connection,
+    resource: &str,
+) -> Result<Option<LeaseRecord>> {
+    const SQL: &str = concat!(
+        "SELECT ",
+        lease_cols!(),
+        " FROM leases WHERE resource = $1 AND ",
+        lease_current!()
+    );
+    Ok(leases::<D>(c, Stmt::new(SQL).text(resource)).await?.pop())
+}
+
+pub async fn next_token<D: Db>(c: &mut D::Connection, resource: &str) -> Result<i64> {
+    let s = Stmt::new(
+        "INSERT INTO resources (resource, last_token) VALUES ($1, 1) \
+         ON CONFLICT (resource) DO UPDATE SET last_token = resources.last_token + 1 \
+         RETURNING last_token",
+    );
+    scalar::<D>(c, s.text(resource))
+        .await?
+        .ok_or_else(|| StoreError::Other("no token was returned".into()))
+}
+
+pub async fn insert_lease<D: Db>(c: &mut D::Connection, l: &LeaseRecord) -> Result<()> {
+    const SQL: &str = concat!(
+        "INSERT INTO leases (",
+        lease_cols!(),
+        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
+    );
+    let s = Stmt::new(SQL)
+        .text(&l.id)
+        .text(&l.resource)
+        .int(l.token)
+        .text(&l.holder)
+        .text(l.state.as_str())
+        .owned(l.owner.as_ref().map(to_json).transpose()?)
+        .opt_text(l.parent.as_ref().map(|p| p.id.as_str()))
+        .opt_text(l.parent.as_ref().map(|p| p.resource.as_str()))
+        .opt_int(l.parent.as_ref().map(|p| p.token))
+        .opt_int(l.ttl_ms)
+        .opt_int(l.expires_at)
+        .int(l.acquired_at)
+        .opt_int(l.renewed_at)
+        .opt_int(l.ended_at)
+        .opt_text(l.end_reason.as_deref())
+        .owned(Some(to_json(&l.metadata)?));
+    D::execute(c, s).await?;
+    Ok(())
+}
+
+pub async fn update_lease<D: Db>(c: &mut D::Connection, l: &LeaseRecord) -> Result<()> {
+    let s = Stmt::new(
+        "UPDATE leases SET state = $1, owner = $2, ttl_ms = $3, expires_at = $4, \
+         renewed_at = $5, ended_at = $6, end_reason = $7 WHERE id = $8",
+    )
+    .text(l.state.as_str())
+    .owned(l.owner.as_ref().map(to_json).transpose()?)
+    .opt_int(l.ttl_ms)
+    .opt_int(l.expires_at)
+    .opt_int(l.renewed_at)
+    .opt_int(l.ended_at)
+    .opt_text(l.end_reason.as_deref())
+    .text(&l.id);
+    if D::execute(c, s).await? != 1 {
+        return Err(StoreError::Other(format!(
+            "lease {} vanished during update",
+            l.id
+        )));
+    }
+    Ok(())
+}
+
+pub async fn list_leases<D: Db>(
+    c: &mut D::Connection,
+    f: &LeaseFilter,
+) -> Result<Vec<LeaseRecord>> {
+    let page = sql::list_leases(f);
+    leases::<D>(c, page.stmt()).await
+}
+
+pub async fn leases_to_reconcile<D: Db>(
+    c: &mut D::Connection,
+    now: Millis,
+) -> Result<Vec<LeaseRecord>> {
+    const SQL: &str = concat!(
+        "SELECT ",
+        lease_cols!(),
+        " FROM leases WHERE ",
+        lease_current!(),
+        " AND owner IS NOT NULL UNION SELECT ",
+        lease_cols!(),
+        " FROM leases WHERE ",
+        lease_current!(),
+        " AND expires_at <= $1"
+    );
+    leases::<D>(c, Stmt::new(SQL).int(now)).await
+}
+
+pub async fn count_current_leases<D: Db>(c: &mut D::Connection) -> Result<i64> {
+    super::count::<D>(
+        c,
+        concat!("SELECT count(*) FROM leases WHERE ", lease_current!()),
+    )
+    .await
+}

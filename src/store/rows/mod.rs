@@ -1,0 +1,37 @@
+//! Every statement of the stores, written once for both databases, and each
+//! record decoded once. Write transactions and reads both use these.
+
+mod event;
+mod lease;
+mod port;
+mod process;
+
+pub use event::*;
+pub use lease::*;
+pub use port::*;
+pub use process::*;
+
+use super::Result;
+use super::db::{Db, Stmt, scalar};
+
+pub async fn set_meta<D: Db>(c: &mut D::Connection, key: &str, value: &str) -> Result<()> {
+    let s = Stmt::new(
+        "INSERT INTO meta (key, value) VALUES ($1, $2) \
+         ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+    );
+    D::execute(c, s.text(key).text(value)).await?;
+    Ok(())
+}
+
+pub async fn meta<D: Db>(c: &mut D::Connection, key: &str) -> Result<Option<String>> {
+    let s = Stmt::new("SELECT value FROM meta WHERE key = $1").text(key);
+    match D::fetch(c, s).await?.first() {
+        Some(r) => super::db::Cols::opt_text(r, 0),
+        None => Ok(None),
+    }
+}
+
+/// `SELECT count(*) ...`.
+pub async fn count<D: Db>(c: &mut D::Connection, sql: &str) -> Result<i64> {
+    Ok(scalar::<D>(c, Stmt::new(sql)).await?.unwrap_or(0))
+}

@@ -1,0 +1,142 @@
+//! Port reservations.
+
+use crate::model::{PortOwner, PortRecord, TokenRef};
+use crate::store::db::{Cols, Db, Stmt, decode_err};
+use crate::store::sql::{self, port_cols};
+use crate::store::{Result, StoreError};
+use crate::time::Millis;
+
+fn port_number(v: i64) -> Result<u16> {
+    u16::try_from(v).map_err(|e| decode_err("port", e))
+}
+
+fn port_row(r: &impl Cols) -> Result<PortRecord> {
+    let target = TokenRef {
+        id: r.text(5)?,
+        token: r.int(6)?,
+    };
+    let owner = if r.text(4)? == "process" {
+        PortOwner {
+            process: Some(target),
+            lease: None,
+        }
+    } else {
+        PortOwner {
+            process: None,
+            lease: Some(target),
+        }
+    };
+    Ok(PortRecord {
+        id: r.text(0)?,
+        host_id: r.text(1)?,
+        port: port_number(r.int(2)?)?,
+        name: r.text(3)?,
+        owner,
+        reserved_at: r.int(7)?,
+        released_at: r.opt_int(8)?,
+    })
+}
+
+async fn ports<D: Db>(c: &mut D::Connection, s: Stmt<'_>) -> Result<Vec<PortRecord>> {
+    D::fetch(c, s).await?.iter().map(port_row).collect()
+}
+
+pub async fn held_ports<D: Db>(c: &mut D::Connection, host_id: &str) -> Result<Vec<u16>> {
+    let s = Stmt::new("SELECT port FROM ports WHERE host_id = $1 AND released_at IS NULL");
+    D::fetch(c, s.text(host_id))
+        .await?
+        .iter()
+        .map(|r| port_number(r.int(0)?))
+        .collect()
+}
+
+pub async fn current_port<D: Db>(
+    c: &mut D::Connection,
+    host_id: &str,
+    port: u16,
+) -> Result<Option<PortRecord>> {
+    const SQL: &str = concat!(
+        "SELECT ",
+        port_cols!(),
+        " FROM ports WHERE host_id = $1 AND port = $2 AND released_at IS NULL"
+    );
+    let s = Stmt::new(SQL).text(host_id).int(i64::from(port));
+    Ok(ports::<D>(c, s).await?.pop())
+}
+
+pub async fn insert_port<D: Db>(c: &mut D::Connection, p: &PortRecord) -> Result<()> {
+    const SQL: &str = concat!(
+        "INSERT INTO ports (",
+        port_cols!(),
+        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+    );
+    let target = p
+        .owner
+        .target()
+        .ok_or_else(|| StoreError::Other("a port without an owner".into()))?;
+    let s = Stmt::new(SQL)
+        .text(&p.id)
+        .text(&p.host_id)
+        .int(i64::from(p.port))
+        .text(&p.name)
+        .text(p.owner.kind())
+        .text(&target.id)
+        .int(target.token)
+        .int(p.reserved_at)
+        .opt_int(p.released_at);
+    D::execute(c, s).await?;
+    Ok(())
+}
+
+pub async fn ports_of<D: Db>(c: &mut D::Connection, owner_id: &str) -> Result<Vec<PortRecord>> {
+    const SQL: &str = concat!(
+        "SELECT ",
+        port_cols!(),
+        " FROM ports WHERE owner_id = $1 AND released_at IS NULL ORDER BY name"
+    );
+    ports::<D>(c, Stmt::new(SQL).text(owner_id)).await
+}
+
+pub async fn ports_of_owners<D: Db>(
+    c: &mut D::Connection,
+    owner_ids: &[String],
+) -> Result<Vec<PortRecord>> {
+    if owner_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let page = sql::ports_of_owners(owner_ids);
+    ports::<D>(c, page.stmt()).await
+}
+
+pub async fn release_port<D: Db>(c: &mut D::Connection, id: &str, at: Millis) -> Result<()> {
+    let s = Stmt::new("UPDATE ports SET released_at = $1 WHERE id = $2 AND released_at IS NULL");
+    D::execute(c, s.int(at).text(id)).await?;
+    Ok(())
+}
+
+pub async fn list_ports<D: Db>(
+    c: &mut D::Connection,
+    host_id: Option<&str>,
+    after_port: u16,
+    limit: u32,
+) -> Result<Vec<PortRecord>> {
+    const ALL: &str = concat!(
+        "SELECT ",
+        port_cols!(),
+        " FROM ports WHERE released_at IS NULL AND port > $1 ORDER BY port, host_id LIMIT $2"
+    );
+    const ONE_HOST: &str = concat!(
+        "SELECT ",
+        port_cols!(),
+        " FROM ports WHERE released_at IS NULL AND port > $1 AND host_id = $3 \
+         ORDER BY port, host_id LIMIT $2"
+    );
+    let s = Stmt::new(if host_id.is_some() { ONE_HOST } else { ALL })
+        .int(i64::from(after_port))
+        .int(i64::from(limit));
+    let s = match host_id {
+        Some(h) => s.text(h),
+        None => s,
+    };
+    ports::<D>(c, s).await
+}

@@ -1,0 +1,163 @@
+//! Managed processes.
+
+use crate::model::{Exit, Logs, ProcessFilter, ProcessRecord, ProcessState, TokenRef};
+use crate::store::db::{Cols, Db, Stmt, decode_err, from_json, to_json};
+use crate::store::sql::{self, process_cols, process_current};
+use crate::store::{Result, StoreError};
+
+fn small(what: &str, v: Option<i64>) -> Result<Option<i32>> {
+    v.map(i32::try_from)
+        .transpose()
+        .map_err(|e| decode_err(what, e))
+}
+
+fn process_row(r: &impl Cols) -> Result<ProcessRecord> {
+    let lease = match (r.opt_text(5)?, r.opt_int(6)?) {
+        (Some(id), Some(token)) => Some(TokenRef { id, token }),
+        _ => None,
+    };
+    let logs = match (r.opt_text(12)?, r.opt_text(13)?) {
+        (Some(stdout), Some(stderr)) => Some(Logs { stdout, stderr }),
+        _ => None,
+    };
+    let state = r.text(2)?;
+    Ok(ProcessRecord {
+        id: r.text(0)?,
+        kind: r.text(1)?,
+        state: ProcessState::parse(&state).ok_or_else(|| decode_err("process state", &state))?,
+        token: r.int(3)?,
+        operation_id: r.opt_text(4)?,
+        lease,
+        host_id: r.text(7)?,
+        identity: from_json("identity", r.opt_text(8)?)?,
+        owner: from_json("owner", r.opt_text(9)?)?,
+        spawned: r.flag(10)?,
+        command: from_json("command", r.opt_text(11)?)?,
+        logs,
+        exit: Exit {
+            code: small("exit code", r.opt_int(14)?)?,
+            signal: small("exit signal", r.opt_int(15)?)?,
+        },
+        ttl_ms: r.opt_int(16)?,
+        expires_at: r.opt_int(17)?,
+        created_at: r.int(18)?,
+        started_at: r.opt_int(19)?,
+        ended_at: r.opt_int(20)?,
+        end_reason: r.opt_text(21)?,
+        metadata: serde_json::from_str(&r.text(22)?).map_err(|e| decode_err("metadata", e))?,
+    })
+}
+
+async fn processes<D: Db>(c: &mut D::Connection, s: Stmt<'_>) -> Result<Vec<ProcessRecord>> {
+    D::fetch(c, s).await?.iter().map(process_row).collect()
+}
+
+pub async fn process<D: Db>(c: &mut D::Connection, id: &str) -> Result<Option<ProcessRecord>> {
+    const SQL: &str = concat!("SELECT ", process_cols!(), " FROM processes WHERE id = $1");
+    Ok(processes::<D>(c, Stmt::new(SQL).text(id)).await?.pop())
+}
+
+pub async fn process_by_operation<D: Db>(
+    c: &mut D::Connection,
+    op: &str,
+) -> Result<Option<ProcessRecord>> {
+    const SQL: &str = concat!(
+        "SELECT ",
+        process_cols!(),
+        " FROM processes WHERE operation_id = $1 AND ",
+        process_current!()
+    );
+    Ok(processes::<D>(c, Stmt::new(SQL).text(op)).await?.pop())
+}
+
+pub async fn insert_process<D: Db>(c: &mut D::Connection, p: &ProcessRecord) -> Result<()> {
+    const SQL: &str = concat!(
+        "INSERT INTO processes (",
+        process_cols!(),
+        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, \
+         $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)"
+    );
+    let s = Stmt::new(SQL)
+        .text(&p.id)
+        .text(&p.kind)
+        .text(p.state.as_str())
+        .int(p.token)
+        .opt_text(p.operation_id.as_deref())
+        .opt_text(p.lease.as_ref().map(|l| l.id.as_str()))
+        .opt_int(p.lease.as_ref().map(|l| l.token))
+        .text(&p.host_id)
+        .owned(p.identity.as_ref().map(to_json).transpose()?)
+        .owned(p.owner.as_ref().map(to_json).transpose()?)
+        .flag(p.spawned)
+        .owned(p.command.as_ref().map(to_json).transpose()?)
+        .opt_text(p.logs.as_ref().map(|l| l.stdout.as_str()))
+        .opt_text(p.logs.as_ref().map(|l| l.stderr.as_str()))
+        .opt_int(p.exit.code.map(i64::from))
+        .opt_int(p.exit.signal.map(i64::from))
+        .opt_int(p.ttl_ms)
+        .opt_int(p.expires_at)
+        .int(p.created_at)
+        .opt_int(p.started_at)
+        .opt_int(p.ended_at)
+        .opt_text(p.end_reason.as_deref())
+        .owned(Some(to_json(&p.metadata)?));
+    D::execute(c, s).await?;
+    Ok(())
+}
+
+pub async fn update_process<D: Db>(c: &mut D::Connection, p: &ProcessRecord) -> Result<()> {
+    let s = Stmt::new(
+        "UPDATE processes SET state = $1, token = $2, identity = $3, owner = $4, exit_code = $5, \
+         exit_signal = $6, ttl_ms = $7, expires_at = $8, started_at = $9, ended_at = $10, \
+         end_reason = $11 WHERE id = $12",
+    )
+    .text(p.state.as_str())
+    .int(p.token)
+    .owned(p.identity.as_ref().map(to_json).transpose()?)
+    .owned(p.owner.as_ref().map(to_json).transpose()?)
+    .opt_int(p.exit.code.map(i64::from))
+    .opt_int(p.exit.signal.map(i64::from))
+    .opt_int(p.ttl_ms)
+    .opt_int(p.expires_at)
+    .opt_int(p.started_at)
+    .opt_int(p.ended_at)
+    .opt_text(p.end_reason.as_deref())
+    .text(&p.id);
+    if D::execute(c, s).await? != 1 {
+        return Err(StoreError::Other(format!(
+            "process {} vanished during update",
+            p.id
+        )));
+    }
+    Ok(())
+}
+
+pub async fn list_processes<D: Db>(
+    c: &mut D::Connection,
+    f: &ProcessFilter,
+) -> Result<Vec<ProcessRecord>> {
+    let page = sql::list_processes(f);
+    processes::<D>(c, page.stmt()).await
+}
+
+pub async fn current_processes<D: Db>(
+    c: &mut D::Connection,
+    host_id: &str,
+) -> Result<Vec<ProcessRecord>> {
+    const SQL: &str = concat!(
+        "SELECT ",
+        process_cols!(),
+        " FROM processes WHERE host_id = $1 AND ",
+        process_current!(),
+        " ORDER BY id"
+    );
+    processes::<D>(c, Stmt::new(SQL).text(host_id)).await
+}
+
+pub async fn count_current_processes<D: Db>(c: &mut D::Connection) -> Result<i64> {
+    super::count::<D>(
+        c,
+        concat!("SELECT count(*) FROM processes WHERE ", process_current!()),
+    )
+    .await
+}

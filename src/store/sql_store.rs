@@ -1,0 +1,153 @@
+//! The `Backend` of both stores: reads on a pool of their own, which never
+//! wait behind writes, and writes through the store's group commit.
+
+use std::sync::Arc;
+
+use sqlx::Pool;
+use sqlx::pool::PoolConnection;
+
+use super::db::{Db, conn_err};
+use super::{Backend, BoxFuture, JobFn, JobOutput, Result, rows};
+use crate::model::{EventRow, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord};
+use crate::time::Millis;
+
+/// How a store runs its write transactions.
+pub trait Writes: Send + Sync + 'static {
+    fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>>;
+    /// Refuse new writes, finish the queued ones, and close.
+    fn close(&self) -> BoxFuture<'_, ()>;
+}
+
+pub struct SqlStore<D: Db> {
+    reads: Pool<D>,
+    writes: Arc<dyn Writes>,
+}
+
+impl<D: Db> SqlStore<D> {
+    pub fn new(reads: Pool<D>, writes: Arc<dyn Writes>) -> Self {
+        Self { reads, writes }
+    }
+
+    async fn conn(&self) -> Result<PoolConnection<D>> {
+        let pool = &self.reads;
+        pool.acquire().await.map_err(|e| conn_err(pool, e))
+    }
+}
+
+/// `$f` on a read connection of `$s`, as a boxed future.
+macro_rules! read {
+    ($s:ident, |$c:ident| $f:expr) => {
+        Box::pin(async move {
+            let mut conn = $s.conn().await?;
+            let $c = &mut *conn;
+            $f.await
+        })
+    };
+}
+
+impl<D: Db> Backend for SqlStore<D> {
+    fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>> {
+        self.writes.write(durable, job)
+    }
+
+    fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
+        read!(self, |c| rows::lease::<D>(c, id))
+    }
+
+    fn list_leases<'a>(
+        &'a self,
+        filter: &'a LeaseFilter,
+    ) -> BoxFuture<'a, Result<Vec<LeaseRecord>>> {
+        read!(self, |c| rows::list_leases::<D>(c, filter))
+    }
+
+    fn leases_to_reconcile(&self, now: Millis) -> BoxFuture<'_, Result<Vec<LeaseRecord>>> {
+        read!(self, |c| rows::leases_to_reconcile::<D>(c, now))
+    }
+
+    fn count_current_leases(&self) -> BoxFuture<'_, Result<i64>> {
+        read!(self, |c| rows::count_current_leases::<D>(c))
+    }
+
+    fn get_process<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
+        read!(self, |c| rows::process::<D>(c, id))
+    }
+
+    fn list_processes<'a>(
+        &'a self,
+        filter: &'a ProcessFilter,
+    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
+        read!(self, |c| rows::list_processes::<D>(c, filter))
+    }
+
+    fn current_processes<'a>(
+        &'a self,
+        host_id: &'a str,
+    ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
+        read!(self, |c| rows::current_processes::<D>(c, host_id))
+    }
+
+    fn count_current_processes(&self) -> BoxFuture<'_, Result<i64>> {
+        read!(self, |c| rows::count_current_processes::<D>(c))
+    }
+
+    fn owner_ports<'a>(
+        &'a self,
+        owner_ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+        read!(self, |c| rows::ports_of_owners::<D>(c, owner_ids))
+    }
+
+    fn list_ports<'a>(
+        &'a self,
+        host_id: Option<&'a str>,
+        after_port: u16,
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+        read!(self, |c| rows::list_ports::<D>(
+            c, host_id, after_port, limit
+        ))
+    }
+
+    fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {
+        read!(self, |c| rows::events::<D>(c, after, limit))
+    }
+
+    fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>> {
+        read!(self, |c| D::last_event_seq(c))
+    }
+
+    fn pruned_through(&self) -> BoxFuture<'_, Result<i64>> {
+        read!(self, |c| rows::pruned_through::<D>(c))
+    }
+
+    /// A small write: proves the store is open, migrated and writable (not
+    /// full, not a read-only standby, the fleet's write lock obtainable).
+    fn check_writable(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move {
+            let now = crate::time::now_ms().to_string();
+            let job: JobFn = Box::new(move |tx| {
+                Box::pin(async move {
+                    tx.set_meta("probe", &now).await?;
+                    Ok(Box::new(()) as JobOutput)
+                })
+            });
+            self.writes.write(false, job).await.map(|_| ())
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        D::KIND
+    }
+
+    fn relaxed_renewals(&self) -> bool {
+        D::RELAXED_RENEWALS
+    }
+
+    fn close(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            self.writes.close().await;
+            self.reads.close().await;
+        })
+    }
+}

@@ -1,0 +1,121 @@
+//! The `Tx` of both stores: each operation is one shared statement on the
+//! connection that holds the write transaction.
+
+use super::db::Db;
+use super::{BoxFuture, Effect, Result, Tx, rows};
+use crate::model::{LeaseRecord, PortRecord, ProcessRecord};
+use crate::time::Millis;
+
+pub struct SqlTx<'c, D: Db> {
+    pub conn: &'c mut D::Connection,
+    /// What this job's commit means for waiters.
+    pub effects: Vec<Effect>,
+    /// The job asked for a durable commit.
+    pub durable: bool,
+}
+
+impl<'c, D: Db> SqlTx<'c, D> {
+    pub fn new(conn: &'c mut D::Connection) -> Self {
+        Self {
+            conn,
+            effects: Vec::new(),
+            durable: false,
+        }
+    }
+}
+
+impl<D: Db> Tx for SqlTx<'_, D> {
+    fn lease<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
+        Box::pin(rows::lease::<D>(self.conn, id))
+    }
+
+    fn current_lease<'a>(
+        &'a mut self,
+        resource: &'a str,
+    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
+        Box::pin(rows::current_lease::<D>(self.conn, resource))
+    }
+
+    fn next_token<'a>(&'a mut self, resource: &'a str) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(rows::next_token::<D>(self.conn, resource))
+    }
+
+    fn insert_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::insert_lease::<D>(self.conn, lease))
+    }
+
+    fn update_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::update_lease::<D>(self.conn, lease))
+    }
+
+    fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(async move {
+            let seq = D::append_event(self.conn, at, &body).await?;
+            self.effects.push(Effect::Event(seq));
+            Ok(seq)
+        })
+    }
+
+    fn set_meta<'a>(&'a mut self, key: &'a str, value: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::set_meta::<D>(self.conn, key, value))
+    }
+
+    fn prune_events(
+        &mut self,
+        keep_last: Option<u64>,
+        older_than: Option<Millis>,
+    ) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(rows::prune_events::<D>(self.conn, keep_last, older_than))
+    }
+
+    fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
+        Box::pin(rows::process::<D>(self.conn, id))
+    }
+
+    fn process_by_operation<'a>(
+        &'a mut self,
+        op: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
+        Box::pin(rows::process_by_operation::<D>(self.conn, op))
+    }
+
+    fn insert_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::insert_process::<D>(self.conn, p))
+    }
+
+    fn update_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::update_process::<D>(self.conn, p))
+    }
+
+    fn held_ports<'a>(&'a mut self, host_id: &'a str) -> BoxFuture<'a, Result<Vec<u16>>> {
+        Box::pin(rows::held_ports::<D>(self.conn, host_id))
+    }
+
+    fn current_port<'a>(
+        &'a mut self,
+        host_id: &'a str,
+        port: u16,
+    ) -> BoxFuture<'a, Result<Option<PortRecord>>> {
+        Box::pin(rows::current_port::<D>(self.conn, host_id, port))
+    }
+
+    fn insert_port<'a>(&'a mut self, p: &'a PortRecord) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::insert_port::<D>(self.conn, p))
+    }
+
+    fn ports_of<'a>(&'a mut self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
+        Box::pin(rows::ports_of::<D>(self.conn, owner_id))
+    }
+
+    fn release_port<'a>(&'a mut self, id: &'a str, at: Millis) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::release_port::<D>(self.conn, id, at))
+    }
+
+    fn after_commit(&mut self, effect: Effect) {
+        self.effects.push(effect);
+    }
+
+    fn require_durable(&mut self) {
+        self.durable = true;
+    }
+}
