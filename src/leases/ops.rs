@@ -172,9 +172,19 @@ async fn fenced_current(
     id: &str,
     token: i64,
 ) -> Result<Outcome<(LeaseRecord, Option<Judgement>)>> {
-    let Some(mut rec) = tx.lease(id).await? else {
+    let Some(rec) = tx.lease(id).await? else {
         return Ok(Err(LeaseError::NotFound));
     };
+    fenced(tx, cx, rec, token).await
+}
+
+/// Apply the table to `rec`, just read, and check that it is current with `token`.
+async fn fenced(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    mut rec: LeaseRecord,
+    token: i64,
+) -> Result<Outcome<(LeaseRecord, Option<Judgement>)>> {
     let (owner, _) = apply_table(tx, cx, &mut rec).await?;
     if !rec.state.is_current() || rec.token != token {
         return Ok(Err(LeaseError::Fenced(view(&rec, owner, cx.now))));
@@ -255,7 +265,7 @@ pub async fn release(
     if rec.state == LeaseState::Released && rec.token == token {
         return Ok(Ok(*view(&rec, judge(cx, &rec), cx.now)));
     }
-    let (mut rec, owner) = match fenced_current(tx, cx, id, token).await? {
+    let (mut rec, owner) = match fenced(tx, cx, rec, token).await? {
         Ok(found) => found,
         Err(e) => return Ok(Err(e)),
     };

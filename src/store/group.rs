@@ -37,6 +37,9 @@ pub trait Batches: Send + Sync + 'static {
 struct Queue {
     jobs: VecDeque<Job>,
     closed: bool,
+    /// A leader task runs (or is about to): it takes what is queued
+    /// before it stops, so no other is started.
+    leading: bool,
 }
 
 pub struct GroupCommit<B> {
@@ -68,7 +71,7 @@ impl<B: Batches> GroupCommit<B> {
 
     pub async fn write(self: &Arc<Self>, durable: bool, run: JobFn) -> Result<JobOutput> {
         let (reply, rx) = oneshot::channel();
-        {
+        let already_led = {
             let mut q = self.queue();
             if q.closed {
                 return Err(StoreError::Unavailable("the store is closed".into()));
@@ -81,23 +84,38 @@ impl<B: Batches> GroupCommit<B> {
                 run,
                 reply,
             });
+            std::mem::replace(&mut q.leading, true)
+        };
+        if !already_led {
+            self.start_leader();
         }
+        rx.await.map_err(|_| stopped())?
+    }
+
+    fn start_leader(self: &Arc<Self>) {
         let me = self.clone();
         tokio::spawn(async move {
             let _lead = me.lead.clone().lock_owned().await;
+            let unwinding = Unwinding(&me);
             me.drain().await;
+            std::mem::forget(unwinding);
         });
-        rx.await
-            .map_err(|_| StoreError::Unavailable("the writer stopped".into()))?
     }
 
-    /// Run batches until the queue is empty; the caller holds `lead`.
+    /// Run batches until the queue is empty; the caller holds `lead`. The
+    /// queue is found empty and `leading` cleared under one lock, so a job
+    /// queued after that starts a leader of its own.
     async fn drain(&self) {
         loop {
-            let batch = self.take_batch();
-            if batch.is_empty() {
-                return;
-            }
+            let batch = {
+                let mut q = self.queue();
+                let n = q.jobs.len().min(MAX_BATCH);
+                if n == 0 {
+                    q.leading = false;
+                    return;
+                }
+                q.jobs.drain(..n).collect::<Vec<_>>()
+            };
             let left = self.batches.run(batch).await;
             let mut q = self.queue();
             for job in left.into_iter().rev() {
@@ -105,12 +123,19 @@ impl<B: Batches> GroupCommit<B> {
             }
         }
     }
+}
 
-    pub fn take_batch(&self) -> Vec<Job> {
-        let mut q = self.queue();
-        let n = q.jobs.len().min(MAX_BATCH);
-        q.jobs.drain(..n).collect()
+/// Clears `leading` if a leader dies by a panic, so the next job starts one.
+struct Unwinding<'a, B: Batches>(&'a GroupCommit<B>);
+
+impl<B: Batches> Drop for Unwinding<'_, B> {
+    fn drop(&mut self) {
+        self.0.queue().leading = false;
     }
+}
+
+fn stopped() -> StoreError {
+    StoreError::Unavailable("the writer stopped".into())
 }
 
 impl<B: Batches> Writes for Arc<GroupCommit<B>> {

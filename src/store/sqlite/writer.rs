@@ -94,17 +94,21 @@ impl Batches for Writer {
 }
 
 impl Writer {
-    /// `BEGIN IMMEDIATE` at the sync level the batch needs, in one round trip.
-    async fn begin(&self, c: &mut Conn, durable: bool) -> Result<()> {
+    /// `BEGIN IMMEDIATE` at the sync level the batch needs, and the first
+    /// job's savepoint when there are several, in one round trip.
+    async fn begin(&self, c: &mut Conn, durable: bool, savepoint: bool) -> Result<()> {
         if c.open {
             // Left open by a batch that never finished: nothing of it was answered.
             let _ = exec(&mut c.conn, "ROLLBACK").await;
             c.open = false;
         }
-        let sql = match (c.full_sync == durable, durable) {
-            (true, _) => "BEGIN IMMEDIATE",
-            (false, true) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE",
-            (false, false) => "PRAGMA synchronous = NORMAL; BEGIN IMMEDIATE",
+        let sql = match (c.full_sync == durable, durable, savepoint) {
+            (true, _, false) => "BEGIN IMMEDIATE",
+            (true, _, true) => "BEGIN IMMEDIATE; SAVEPOINT job",
+            (false, true, false) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE",
+            (false, true, true) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE; SAVEPOINT job",
+            (false, false, false) => "PRAGMA synchronous = NORMAL; BEGIN IMMEDIATE",
+            (false, false, true) => "PRAGMA synchronous = NORMAL; BEGIN IMMEDIATE; SAVEPOINT job",
         };
         exec(&mut c.conn, sql).await?;
         c.full_sync = durable;
@@ -123,16 +127,23 @@ impl Writer {
 
     async fn run_batch(&self, c: &mut Conn, batch: Vec<Job>) {
         let durable = batch.iter().any(|j| j.durable);
-        if let Err(e) = self.begin(c, durable).await {
+        let single = batch.len() == 1;
+        if let Err(e) = self.begin(c, durable, !single).await {
             return fail(batch.into_iter().map(|j| j.reply), &e);
         }
-        let single = batch.len() == 1;
         let mut needs_sync = false;
         let mut done = Vec::with_capacity(batch.len());
         let mut effects = Vec::new();
         let mut jobs = batch.into_iter();
         while let Some(job) = jobs.next() {
-            if !single && let Err(e) = exec(&mut c.conn, "SAVEPOINT job").await {
+            // Each job of several gets a savepoint (the first one's came with
+            // BEGIN). They are never released, which would cost a round trip
+            // each: `ROLLBACK TO` undoes the newest of that name, and COMMIT
+            // keeps them all.
+            if !single
+                && !done.is_empty()
+                && let Err(e) = exec(&mut c.conn, "SAVEPOINT job").await
+            {
                 let _ = job.reply.send(Err(e));
                 continue;
             }
@@ -143,14 +154,12 @@ impl Writer {
                 .await
                 .unwrap_or_else(|_| Err(StoreError::Other("a store job panicked".into())));
             let (job_effects, job_durable) = (tx.effects, tx.durable);
-            let kept = match (&out, single) {
-                (_, true) => Ok(()),
-                (Ok(_), false) => exec(&mut c.conn, "RELEASE job").await,
-                (Err(_), false) => exec(&mut c.conn, "ROLLBACK TO job; RELEASE job").await,
-            };
-            let out = match (out, kept) {
-                (Ok(_), Err(e)) => Err(e),
-                (out, _) => out,
+            let out = match out {
+                Err(e) if !single => match exec(&mut c.conn, "ROLLBACK TO job").await {
+                    Ok(()) => Err(e),
+                    Err(undo) => Err(undo),
+                },
+                out => out,
             };
             if out.is_ok() {
                 effects.extend(job_effects);
@@ -202,7 +211,7 @@ impl Writer {
     }
 
     async fn sync_wal(&self, c: &mut Conn) -> Result<()> {
-        self.begin(c, true).await?;
+        self.begin(c, true, false).await?;
         let now = crate::time::now_ms().to_string();
         let set = crate::store::rows::set_meta::<Sqlite>(&mut c.conn, "synced_at", &now).await;
         match set {
@@ -212,5 +221,71 @@ impl Writer {
                 Err(e)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Effect, JobFn, JobOutput};
+    use sqlx::Connection;
+    use tokio::sync::oneshot;
+
+    struct Nobody;
+    impl CommitListener for Nobody {
+        fn committed(&self, _: &[Effect]) {}
+    }
+
+    fn set(key: &'static str, fail: bool) -> (Job, oneshot::Receiver<Result<JobOutput>>) {
+        let (reply, rx) = oneshot::channel();
+        let run: JobFn = Box::new(move |tx| {
+            Box::pin(async move {
+                tx.set_meta(key, "x").await?;
+                if fail {
+                    return Err(StoreError::Other("the job failed".into()));
+                }
+                Ok(Box::new(()) as JobOutput)
+            })
+        });
+        let job = Job {
+            durable: true,
+            run,
+            reply,
+        };
+        (job, rx)
+    }
+
+    #[tokio::test]
+    async fn a_failed_job_is_undone_alone_and_the_others_of_its_batch_are_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}?mode=rwc", dir.path().join("t.db").display());
+        let mut conn = SqliteConnection::connect(&url).await.expect("open");
+        sqlx::raw_sql("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            .execute(&mut conn)
+            .await
+            .expect("schema");
+        let writer = Writer {
+            conn: tokio::sync::Mutex::new(None),
+            rolled_back: Arc::new(AtomicBool::new(false)),
+            listener: Arc::new(Nobody),
+        };
+        let mut c = Conn {
+            conn,
+            full_sync: true,
+            open: false,
+        };
+        let (a, a_rx) = set("a", false);
+        let (b, b_rx) = set("b", true);
+        let (d, d_rx) = set("d", false);
+        writer.run_batch(&mut c, vec![a, b, d]).await;
+        assert!(matches!(a_rx.await, Ok(Ok(_))));
+        assert!(matches!(b_rx.await, Ok(Err(StoreError::Other(_)))));
+        assert!(matches!(d_rx.await, Ok(Ok(_))));
+        let keys: Vec<String> = sqlx::query_scalar("SELECT key FROM meta ORDER BY key")
+            .fetch_all(&mut c.conn)
+            .await
+            .expect("keys");
+        assert_eq!(keys, ["a", "d"]);
+        assert!(!c.open, "the transaction ended");
     }
 }
