@@ -82,27 +82,39 @@ fn null_column(i: usize) -> StoreError {
     StoreError::Other(format!("column {i} is null where a value is required"))
 }
 
-/// One of the two databases, as the shared statements use it.
-pub trait Db: Database<Row: Cols> {
+/// Where the shared statements run: a connection of either database, or
+/// SQLite's writer, which defers what it may (see `sqlite::pipeline`).
+pub trait Exec: Send {
+    type Row: Cols + Send;
+    fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<Self::Row>>>;
+    /// Run a statement whose outcome the caller does not read; it may be
+    /// run later, with the next fetch or the commit, which then fail with it.
+    fn execute<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<()>>;
+    /// As `execute`, for a statement that must change exactly one row:
+    /// otherwise it fails, saying `what` vanished.
+    fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>>;
+    /// Append an event under the next seq and return it.
+    fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>>;
+    /// The last seq handed out (which retention never lowers).
+    fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>>;
+}
+
+/// One of the two databases.
+pub trait Db: Database<Connection: Exec> {
     /// As `/readyz` names the store.
     const KIND: &'static str;
     /// Renewals may be answered before they reach stable storage (a
     /// single-host store that stretches TTLs after a crash instead).
     const RELAXED_RENEWALS: bool;
+}
 
-    fn map_err(e: sqlx::Error) -> StoreError;
-    fn fetch<'c>(c: &'c mut Self::Connection, s: Stmt<'c>)
-    -> BoxFuture<'c, Result<Vec<Self::Row>>>;
-    /// Run `s`; the number of rows it changed.
-    fn execute<'c>(c: &'c mut Self::Connection, s: Stmt<'c>) -> BoxFuture<'c, Result<u64>>;
-    /// Append an event under the next seq and return it.
-    fn append_event<'c>(
-        c: &'c mut Self::Connection,
-        at: Millis,
-        body: &'c str,
-    ) -> BoxFuture<'c, Result<i64>>;
-    /// The last seq handed out (which retention never lowers).
-    fn last_event_seq(c: &mut Self::Connection) -> BoxFuture<'_, Result<i64>>;
+/// A statement that changed `n` rows where it had to change one.
+pub fn vanished(what: &str, n: u64) -> Result<()> {
+    if n == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::Other(format!("{what} vanished during update")))
+    }
 }
 
 /// For a failure to get a connection from `pool`: the database cannot be
@@ -142,8 +154,8 @@ where
 }
 
 /// One row of one column.
-pub async fn scalar<D: Db>(c: &mut D::Connection, s: Stmt<'_>) -> Result<Option<i64>> {
-    match D::fetch(c, s).await?.first() {
+pub async fn scalar<E: Exec + ?Sized>(c: &mut E, s: Stmt<'_>) -> Result<Option<i64>> {
+    match c.fetch(s).await?.first() {
         Some(r) => r.opt_int(0),
         None => Ok(None),
     }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use sqlx::Pool;
 use sqlx::pool::PoolConnection;
 
-use super::db::{Db, conn_err};
+use super::db::{Db, Exec, conn_err};
 use super::{Backend, BoxFuture, JobFn, JobOutput, Result, rows};
 use crate::model::{EventRow, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord};
 use crate::time::Millis;
@@ -51,51 +51,51 @@ impl<D: Db> Backend for SqlStore<D> {
     }
 
     fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        read!(self, |c| rows::lease::<D>(c, id))
+        read!(self, |c| rows::lease(c, id))
     }
 
     fn list_leases<'a>(
         &'a self,
         filter: &'a LeaseFilter,
     ) -> BoxFuture<'a, Result<Vec<LeaseRecord>>> {
-        read!(self, |c| rows::list_leases::<D>(c, filter))
+        read!(self, |c| rows::list_leases(c, filter))
     }
 
     fn leases_to_reconcile(&self, now: Millis) -> BoxFuture<'_, Result<Vec<LeaseRecord>>> {
-        read!(self, |c| rows::leases_to_reconcile::<D>(c, now))
+        read!(self, |c| rows::leases_to_reconcile(c, now))
     }
 
     fn count_current_leases(&self) -> BoxFuture<'_, Result<i64>> {
-        read!(self, |c| rows::count_current_leases::<D>(c))
+        read!(self, |c| rows::count_current_leases(c))
     }
 
     fn get_process<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
-        read!(self, |c| rows::process::<D>(c, id))
+        read!(self, |c| rows::process(c, id))
     }
 
     fn list_processes<'a>(
         &'a self,
         filter: &'a ProcessFilter,
     ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
-        read!(self, |c| rows::list_processes::<D>(c, filter))
+        read!(self, |c| rows::list_processes(c, filter))
     }
 
     fn current_processes<'a>(
         &'a self,
         host_id: &'a str,
     ) -> BoxFuture<'a, Result<Vec<ProcessRecord>>> {
-        read!(self, |c| rows::current_processes::<D>(c, host_id))
+        read!(self, |c| rows::current_processes(c, host_id))
     }
 
     fn count_current_processes(&self) -> BoxFuture<'_, Result<i64>> {
-        read!(self, |c| rows::count_current_processes::<D>(c))
+        read!(self, |c| rows::count_current_processes(c))
     }
 
     fn owner_ports<'a>(
         &'a self,
         owner_ids: &'a [String],
     ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        read!(self, |c| rows::ports_of_owners::<D>(c, owner_ids))
+        read!(self, |c| rows::ports_of_owners(c, owner_ids))
     }
 
     fn list_ports<'a>(
@@ -104,21 +104,19 @@ impl<D: Db> Backend for SqlStore<D> {
         after_port: u16,
         limit: u32,
     ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        read!(self, |c| rows::list_ports::<D>(
-            c, host_id, after_port, limit
-        ))
+        read!(self, |c| rows::list_ports(c, host_id, after_port, limit))
     }
 
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {
-        read!(self, |c| rows::events::<D>(c, after, limit))
+        read!(self, |c| rows::events(c, after, limit))
     }
 
     fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>> {
-        read!(self, |c| D::last_event_seq(c))
+        read!(self, |c| c.last_event_seq())
     }
 
     fn pruned_through(&self) -> BoxFuture<'_, Result<i64>> {
-        read!(self, |c| rows::pruned_through::<D>(c))
+        read!(self, |c| rows::pruned_through(c))
     }
 
     /// A small write: proves the store is open, migrated and writable (not

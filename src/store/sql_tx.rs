@@ -1,21 +1,21 @@
 //! The `Tx` of both stores: each operation is one shared statement on the
 //! connection that holds the write transaction.
 
-use super::db::Db;
+use super::db::Exec;
 use super::{BoxFuture, Effect, Result, Tx, rows};
 use crate::model::{LeaseRecord, PortRecord, ProcessRecord};
 use crate::time::Millis;
 
-pub struct SqlTx<'c, D: Db> {
-    pub conn: &'c mut D::Connection,
+pub struct SqlTx<'c, E: Exec + ?Sized> {
+    pub conn: &'c mut E,
     /// What this job's commit means for waiters.
     pub effects: Vec<Effect>,
     /// The job asked for a durable commit.
     pub durable: bool,
 }
 
-impl<'c, D: Db> SqlTx<'c, D> {
-    pub fn new(conn: &'c mut D::Connection) -> Self {
+impl<'c, E: Exec + ?Sized> SqlTx<'c, E> {
+    pub fn new(conn: &'c mut E) -> Self {
         Self {
             conn,
             effects: Vec::new(),
@@ -24,40 +24,40 @@ impl<'c, D: Db> SqlTx<'c, D> {
     }
 }
 
-impl<D: Db> Tx for SqlTx<'_, D> {
+impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     fn lease<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        Box::pin(rows::lease::<D>(self.conn, id))
+        Box::pin(rows::lease(self.conn, id))
     }
 
     fn current_lease<'a>(
         &'a mut self,
         resource: &'a str,
     ) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        Box::pin(rows::current_lease::<D>(self.conn, resource))
+        Box::pin(rows::current_lease(self.conn, resource))
     }
 
     fn next_token<'a>(&'a mut self, resource: &'a str) -> BoxFuture<'a, Result<i64>> {
-        Box::pin(rows::next_token::<D>(self.conn, resource))
+        Box::pin(rows::next_token(self.conn, resource))
     }
 
     fn insert_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::insert_lease::<D>(self.conn, lease))
+        Box::pin(rows::insert_lease(self.conn, lease))
     }
 
     fn update_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::update_lease::<D>(self.conn, lease))
+        Box::pin(rows::update_lease(self.conn, lease))
     }
 
     fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
-            let seq = D::append_event(self.conn, at, &body).await?;
+            let seq = self.conn.append_event(at, &body).await?;
             self.effects.push(Effect::Event(seq));
             Ok(seq)
         })
     }
 
     fn set_meta<'a>(&'a mut self, key: &'a str, value: &'a str) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::set_meta::<D>(self.conn, key, value))
+        Box::pin(rows::set_meta(self.conn, key, value))
     }
 
     fn prune_events(
@@ -65,30 +65,30 @@ impl<D: Db> Tx for SqlTx<'_, D> {
         keep_last: Option<u64>,
         older_than: Option<Millis>,
     ) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(rows::prune_events::<D>(self.conn, keep_last, older_than))
+        Box::pin(rows::prune_events(self.conn, keep_last, older_than))
     }
 
     fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
-        Box::pin(rows::process::<D>(self.conn, id))
+        Box::pin(rows::process(self.conn, id))
     }
 
     fn process_by_operation<'a>(
         &'a mut self,
         op: &'a str,
     ) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
-        Box::pin(rows::process_by_operation::<D>(self.conn, op))
+        Box::pin(rows::process_by_operation(self.conn, op))
     }
 
     fn insert_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::insert_process::<D>(self.conn, p))
+        Box::pin(rows::insert_process(self.conn, p))
     }
 
     fn update_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::update_process::<D>(self.conn, p))
+        Box::pin(rows::update_process(self.conn, p))
     }
 
     fn held_ports<'a>(&'a mut self, host_id: &'a str) -> BoxFuture<'a, Result<Vec<u16>>> {
-        Box::pin(rows::held_ports::<D>(self.conn, host_id))
+        Box::pin(rows::held_ports(self.conn, host_id))
     }
 
     fn current_port<'a>(
@@ -96,19 +96,19 @@ impl<D: Db> Tx for SqlTx<'_, D> {
         host_id: &'a str,
         port: u16,
     ) -> BoxFuture<'a, Result<Option<PortRecord>>> {
-        Box::pin(rows::current_port::<D>(self.conn, host_id, port))
+        Box::pin(rows::current_port(self.conn, host_id, port))
     }
 
     fn insert_port<'a>(&'a mut self, p: &'a PortRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::insert_port::<D>(self.conn, p))
+        Box::pin(rows::insert_port(self.conn, p))
     }
 
     fn ports_of<'a>(&'a mut self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        Box::pin(rows::ports_of::<D>(self.conn, owner_id))
+        Box::pin(rows::ports_of(self.conn, owner_id))
     }
 
     fn release_port<'a>(&'a mut self, id: &'a str, at: Millis) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::release_port::<D>(self.conn, id, at))
+        Box::pin(rows::release_port(self.conn, id, at))
     }
 
     fn after_commit(&mut self, effect: Effect) {

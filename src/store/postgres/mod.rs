@@ -14,7 +14,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{Column, PgConnection, Postgres, Row, TypeInfo};
 
-use super::db::{Cols, Db, Stmt, query, scalar};
+use super::db::{Cols, Db, Exec, Stmt, query, scalar, vanished};
 use super::sql_store::SqlStore;
 use super::{BoxFuture, CommitListener, Result, StoreError};
 use crate::time::Millis;
@@ -98,43 +98,37 @@ impl Db for Postgres {
     const KIND: &'static str = "postgres";
     // Other hosts judge expiry from the table: a renewal is written first.
     const RELAXED_RENEWALS: bool = false;
+}
 
-    fn map_err(e: sqlx::Error) -> StoreError {
-        map_err(e)
-    }
+impl Exec for PgConnection {
+    type Row = PgRow;
 
-    fn fetch<'c>(c: &'c mut PgConnection, s: Stmt<'c>) -> BoxFuture<'c, Result<Vec<PgRow>>> {
+    fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<PgRow>>> {
         Box::pin(async move {
             query::<Postgres>(s.sql, s.args)
-                .fetch_all(c)
+                .fetch_all(self)
                 .await
                 .map_err(map_err)
         })
     }
 
-    fn execute<'c>(c: &'c mut PgConnection, s: Stmt<'c>) -> BoxFuture<'c, Result<u64>> {
-        Box::pin(async move {
-            let done = query::<Postgres>(s.sql, s.args)
-                .execute(c)
-                .await
-                .map_err(map_err)?;
-            Ok(done.rows_affected())
-        })
+    fn execute<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.changed(s).await.map(|_| ()) })
+    }
+
+    fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { vanished(&what, self.changed(s).await?) })
     }
 
     /// Take the next seq from the counter row (which the transaction already
     /// holds locked, see `writer`) and append the event under it.
-    fn append_event<'c>(
-        c: &'c mut PgConnection,
-        at: Millis,
-        body: &'c str,
-    ) -> BoxFuture<'c, Result<i64>> {
+    fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
         let s = Stmt::new(
             "WITH s AS (UPDATE event_seq SET seq = seq + 1 RETURNING seq) \
              INSERT INTO events (seq, at, body) SELECT seq, $1, $2 FROM s RETURNING seq",
         );
         Box::pin(async move {
-            scalar::<Postgres>(c, s.int(at).text(body))
+            scalar(self, s.int(at).text(body))
                 .await?
                 .ok_or_else(|| StoreError::Other("no seq was returned".into()))
         })
@@ -142,13 +136,27 @@ impl Db for Postgres {
 
     /// Every event up to it is committed, since seqs are taken under the
     /// counter's row lock and become visible in order.
-    fn last_event_seq(c: &mut PgConnection) -> BoxFuture<'_, Result<i64>> {
+    fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>> {
         Box::pin(async move {
-            Ok(
-                scalar::<Postgres>(c, Stmt::new("SELECT seq FROM event_seq"))
-                    .await?
-                    .unwrap_or(0),
-            )
+            Ok(scalar(self, Stmt::new("SELECT seq FROM event_seq"))
+                .await?
+                .unwrap_or(0))
+        })
+    }
+}
+
+trait Changed {
+    fn changed<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<u64>>;
+}
+
+impl Changed for PgConnection {
+    fn changed<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<u64>> {
+        Box::pin(async move {
+            let done = query::<Postgres>(s.sql, s.args)
+                .execute(self)
+                .await
+                .map_err(map_err)?;
+            Ok(done.rows_affected())
         })
     }
 }

@@ -124,7 +124,7 @@ async fn resync(pool: &PgPool, listener: &dyn CommitListener) -> Result<()> {
         .acquire()
         .await
         .map_err(|e| crate::store::db::conn_err(pool, e))?;
-    let seq = <sqlx::Postgres as crate::store::db::Db>::last_event_seq(&mut c).await?;
+    let seq = crate::store::db::Exec::last_event_seq(&mut *c).await?;
     listener.committed(&[Effect::Event(seq), Effect::Missed]);
     Ok(())
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{PgConnection, PgPool};
 
 use super::map_err;
 use crate::store::db::conn_err;
@@ -93,7 +93,7 @@ impl Writer {
         let mut effects = Vec::new();
         let mut jobs = batch.into_iter();
         while let Some(job) = jobs.next() {
-            let mut tx = SqlTx::<Postgres>::new(&mut conn);
+            let mut tx = SqlTx::new(&mut *conn);
             let out = std::panic::AssertUnwindSafe((job.run)(&mut tx))
                 .catch_unwind()
                 .await

@@ -2,14 +2,14 @@
 
 use crate::model::EventRow;
 use crate::store::Result;
-use crate::store::db::{Cols, Db, Stmt, scalar};
+use crate::store::db::{Cols, Exec, Stmt, scalar};
 use crate::time::Millis;
 
-pub async fn events<D: Db>(c: &mut D::Connection, after: i64, limit: u32) -> Result<Vec<EventRow>> {
+pub async fn events<E: Exec + ?Sized>(c: &mut E, after: i64, limit: u32) -> Result<Vec<EventRow>> {
     let s = Stmt::new("SELECT seq, body FROM events WHERE seq > $1 ORDER BY seq LIMIT $2")
         .int(after)
         .int(i64::from(limit));
-    D::fetch(c, s)
+    c.fetch(s)
         .await?
         .iter()
         .map(|r| {
@@ -21,8 +21,8 @@ pub async fn events<D: Db>(c: &mut D::Connection, after: i64, limit: u32) -> Res
         .collect()
 }
 
-pub async fn pruned_through<D: Db>(c: &mut D::Connection) -> Result<i64> {
-    Ok(super::meta::<D>(c, "pruned_through")
+pub async fn pruned_through<E: Exec + ?Sized>(c: &mut E) -> Result<i64> {
+    Ok(super::meta(c, "pruned_through")
         .await?
         .and_then(|v| v.parse().ok())
         .unwrap_or(0))
@@ -30,28 +30,25 @@ pub async fn pruned_through<D: Db>(c: &mut D::Connection) -> Result<i64> {
 
 /// Delete events beyond the newest `keep_last` or older than `older_than`;
 /// the highest seq pruned so far.
-pub async fn prune_events<D: Db>(
-    c: &mut D::Connection,
+pub async fn prune_events<E: Exec + ?Sized>(
+    c: &mut E,
     keep_last: Option<u64>,
     older_than: Option<Millis>,
 ) -> Result<i64> {
-    let before = pruned_through::<D>(c).await?;
+    let before = pruned_through(c).await?;
     let mut through = before;
     if let Some(keep) = keep_last {
-        let max = D::last_event_seq(c).await?;
+        let max = c.last_event_seq().await?;
         through = through.max(max - i64::try_from(keep).unwrap_or(i64::MAX));
     }
     if let Some(at) = older_than {
         let s = Stmt::new("SELECT max(seq) FROM events WHERE at < $1").int(at);
-        through = through.max(scalar::<D>(c, s).await?.unwrap_or(0));
+        through = through.max(scalar(c, s).await?.unwrap_or(0));
     }
     if through > before {
-        D::execute(
-            c,
-            Stmt::new("DELETE FROM events WHERE seq <= $1").int(through),
-        )
-        .await?;
-        super::set_meta::<D>(c, "pruned_through", &through.to_string()).await?;
+        c.execute(Stmt::new("DELETE FROM events WHERE seq <= $1").int(through))
+            .await?;
+        super::set_meta(c, "pruned_through", &through.to_string()).await?;
     }
     Ok(through)
 }

@@ -1,7 +1,7 @@
 //! Leases and the fencing-token counter.
 
 use crate::model::{LeaseFilter, LeaseRecord, LeaseState, ParentRef};
-use crate::store::db::{Cols, Db, Stmt, decode_err, from_json, scalar, to_json};
+use crate::store::db::{Cols, Exec, Stmt, decode_err, from_json, scalar, to_json};
 use crate::store::sql::{self, lease_cols, lease_current};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
@@ -34,19 +34,19 @@ fn lease_row(r: &impl Cols) -> Result<LeaseRecord> {
     })
 }
 
-async fn leases<D: Db>(c: &mut D::Connection, s: Stmt<'_>) -> Result<Vec<LeaseRecord>> {
-    D::fetch(c, s).await?.iter().map(lease_row).collect()
+async fn leases<E: Exec + ?Sized>(c: &mut E, s: Stmt<'_>) -> Result<Vec<LeaseRecord>> {
+    c.fetch(s).await?.iter().map(lease_row).collect()
 }
 
-pub async fn lease<D: Db>(c: &mut D::Connection, id: &str) -> Result<Option<LeaseRecord>> {
+pub async fn lease<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Option<LeaseRecord>> {
     const SQL: &str = concat!("SELECT ", lease_cols!(), " FROM leases WHERE id = $1");
-    Ok(leases::<D>(c, Stmt::new(SQL).text(id)).await?.pop())
+    Ok(leases(c, Stmt::new(SQL).text(id)).await?.pop())
 }
 
 /// The current lease of `resource`. No row lock: every write transaction
 /// already excludes the others (SQLite's one writer, PostgreSQL's lock).
-pub async fn current_lease<D: Db>(
-    c: &mut D::Connection,
+pub async fn current_lease<E: Exec + ?Sized>(
+    c: &mut E,
     resource: &str,
 ) -> Result<Option<LeaseRecord>> {
     const SQL: &str = concat!(
@@ -55,21 +55,21 @@ pub async fn current_lease<D: Db>(
         " FROM leases WHERE resource = $1 AND ",
         lease_current!()
     );
-    Ok(leases::<D>(c, Stmt::new(SQL).text(resource)).await?.pop())
+    Ok(leases(c, Stmt::new(SQL).text(resource)).await?.pop())
 }
 
-pub async fn next_token<D: Db>(c: &mut D::Connection, resource: &str) -> Result<i64> {
+pub async fn next_token<E: Exec + ?Sized>(c: &mut E, resource: &str) -> Result<i64> {
     let s = Stmt::new(
         "INSERT INTO resources (resource, last_token) VALUES ($1, 1) \
          ON CONFLICT (resource) DO UPDATE SET last_token = resources.last_token + 1 \
          RETURNING last_token",
     );
-    scalar::<D>(c, s.text(resource))
+    scalar(c, s.text(resource))
         .await?
         .ok_or_else(|| StoreError::Other("no token was returned".into()))
 }
 
-pub async fn insert_lease<D: Db>(c: &mut D::Connection, l: &LeaseRecord) -> Result<()> {
+pub async fn insert_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
     const SQL: &str = concat!(
         "INSERT INTO leases (",
         lease_cols!(),
@@ -92,11 +92,10 @@ pub async fn insert_lease<D: Db>(c: &mut D::Connection, l: &LeaseRecord) -> Resu
         .opt_int(l.ended_at)
         .opt_text(l.end_reason.as_deref())
         .owned(Some(to_json(&l.metadata)?));
-    D::execute(c, s).await?;
-    Ok(())
+    c.execute(s).await
 }
 
-pub async fn update_lease<D: Db>(c: &mut D::Connection, l: &LeaseRecord) -> Result<()> {
+pub async fn update_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
     let s = Stmt::new(
         "UPDATE leases SET state = $1, owner = $2, ttl_ms = $3, expires_at = $4, \
          renewed_at = $5, ended_at = $6, end_reason = $7 WHERE id = $8",
@@ -109,25 +108,16 @@ pub async fn update_lease<D: Db>(c: &mut D::Connection, l: &LeaseRecord) -> Resu
     .opt_int(l.ended_at)
     .opt_text(l.end_reason.as_deref())
     .text(&l.id);
-    if D::execute(c, s).await? != 1 {
-        return Err(StoreError::Other(format!(
-            "lease {} vanished during update",
-            l.id
-        )));
-    }
-    Ok(())
+    c.execute_one(s, format!("lease {}", l.id)).await
 }
 
-pub async fn list_leases<D: Db>(
-    c: &mut D::Connection,
-    f: &LeaseFilter,
-) -> Result<Vec<LeaseRecord>> {
+pub async fn list_leases<E: Exec + ?Sized>(c: &mut E, f: &LeaseFilter) -> Result<Vec<LeaseRecord>> {
     let page = sql::list_leases(f);
-    leases::<D>(c, page.stmt()).await
+    leases(c, page.stmt()).await
 }
 
-pub async fn leases_to_reconcile<D: Db>(
-    c: &mut D::Connection,
+pub async fn leases_to_reconcile<E: Exec + ?Sized>(
+    c: &mut E,
     now: Millis,
 ) -> Result<Vec<LeaseRecord>> {
     const SQL: &str = concat!(
@@ -141,11 +131,11 @@ pub async fn leases_to_reconcile<D: Db>(
         lease_current!(),
         " AND expires_at <= $1"
     );
-    leases::<D>(c, Stmt::new(SQL).int(now)).await
+    leases(c, Stmt::new(SQL).int(now)).await
 }
 
-pub async fn count_current_leases<D: Db>(c: &mut D::Connection) -> Result<i64> {
-    super::count::<D>(
+pub async fn count_current_leases<E: Exec + ?Sized>(c: &mut E) -> Result<i64> {
+    super::count(
         c,
         concat!("SELECT count(*) FROM leases WHERE ", lease_current!()),
     )

@@ -12,26 +12,25 @@ pub use port::*;
 pub use process::*;
 
 use super::Result;
-use super::db::{Db, Stmt, scalar};
+use super::db::{Exec, Stmt, scalar};
 
-pub async fn set_meta<D: Db>(c: &mut D::Connection, key: &str, value: &str) -> Result<()> {
+pub async fn set_meta<E: Exec + ?Sized>(c: &mut E, key: &str, value: &str) -> Result<()> {
     let s = Stmt::new(
         "INSERT INTO meta (key, value) VALUES ($1, $2) \
          ON CONFLICT (key) DO UPDATE SET value = excluded.value",
     );
-    D::execute(c, s.text(key).text(value)).await?;
-    Ok(())
+    c.execute(s.text(key).text(value)).await
 }
 
-pub async fn meta<D: Db>(c: &mut D::Connection, key: &str) -> Result<Option<String>> {
+pub async fn meta<E: Exec + ?Sized>(c: &mut E, key: &str) -> Result<Option<String>> {
     let s = Stmt::new("SELECT value FROM meta WHERE key = $1").text(key);
-    match D::fetch(c, s).await?.first() {
+    match c.fetch(s).await?.first() {
         Some(r) => super::db::Cols::opt_text(r, 0),
         None => Ok(None),
     }
 }
 
 /// `SELECT count(*) ...`.
-pub async fn count<D: Db>(c: &mut D::Connection, sql: &str) -> Result<i64> {
-    Ok(scalar::<D>(c, Stmt::new(sql)).await?.unwrap_or(0))
+pub async fn count<E: Exec + ?Sized>(c: &mut E, sql: &str) -> Result<i64> {
+    Ok(scalar(c, Stmt::new(sql)).await?.unwrap_or(0))
 }

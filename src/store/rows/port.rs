@@ -1,7 +1,7 @@
 //! Port reservations.
 
 use crate::model::{PortOwner, PortRecord, TokenRef};
-use crate::store::db::{Cols, Db, Stmt, decode_err};
+use crate::store::db::{Cols, Exec, Stmt, decode_err};
 use crate::store::sql::{self, port_cols};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
@@ -37,21 +37,21 @@ fn port_row(r: &impl Cols) -> Result<PortRecord> {
     })
 }
 
-async fn ports<D: Db>(c: &mut D::Connection, s: Stmt<'_>) -> Result<Vec<PortRecord>> {
-    D::fetch(c, s).await?.iter().map(port_row).collect()
+async fn ports<E: Exec + ?Sized>(c: &mut E, s: Stmt<'_>) -> Result<Vec<PortRecord>> {
+    c.fetch(s).await?.iter().map(port_row).collect()
 }
 
-pub async fn held_ports<D: Db>(c: &mut D::Connection, host_id: &str) -> Result<Vec<u16>> {
+pub async fn held_ports<E: Exec + ?Sized>(c: &mut E, host_id: &str) -> Result<Vec<u16>> {
     let s = Stmt::new("SELECT port FROM ports WHERE host_id = $1 AND released_at IS NULL");
-    D::fetch(c, s.text(host_id))
+    c.fetch(s.text(host_id))
         .await?
         .iter()
         .map(|r| port_number(r.int(0)?))
         .collect()
 }
 
-pub async fn current_port<D: Db>(
-    c: &mut D::Connection,
+pub async fn current_port<E: Exec + ?Sized>(
+    c: &mut E,
     host_id: &str,
     port: u16,
 ) -> Result<Option<PortRecord>> {
@@ -61,10 +61,10 @@ pub async fn current_port<D: Db>(
         " FROM ports WHERE host_id = $1 AND port = $2 AND released_at IS NULL"
     );
     let s = Stmt::new(SQL).text(host_id).int(i64::from(port));
-    Ok(ports::<D>(c, s).await?.pop())
+    Ok(ports(c, s).await?.pop())
 }
 
-pub async fn insert_port<D: Db>(c: &mut D::Connection, p: &PortRecord) -> Result<()> {
+pub async fn insert_port<E: Exec + ?Sized>(c: &mut E, p: &PortRecord) -> Result<()> {
     const SQL: &str = concat!(
         "INSERT INTO ports (",
         port_cols!(),
@@ -84,38 +84,36 @@ pub async fn insert_port<D: Db>(c: &mut D::Connection, p: &PortRecord) -> Result
         .int(target.token)
         .int(p.reserved_at)
         .opt_int(p.released_at);
-    D::execute(c, s).await?;
-    Ok(())
+    c.execute(s).await
 }
 
-pub async fn ports_of<D: Db>(c: &mut D::Connection, owner_id: &str) -> Result<Vec<PortRecord>> {
+pub async fn ports_of<E: Exec + ?Sized>(c: &mut E, owner_id: &str) -> Result<Vec<PortRecord>> {
     const SQL: &str = concat!(
         "SELECT ",
         port_cols!(),
         " FROM ports WHERE owner_id = $1 AND released_at IS NULL ORDER BY name"
     );
-    ports::<D>(c, Stmt::new(SQL).text(owner_id)).await
+    ports(c, Stmt::new(SQL).text(owner_id)).await
 }
 
-pub async fn ports_of_owners<D: Db>(
-    c: &mut D::Connection,
+pub async fn ports_of_owners<E: Exec + ?Sized>(
+    c: &mut E,
     owner_ids: &[String],
 ) -> Result<Vec<PortRecord>> {
     if owner_ids.is_empty() {
         return Ok(Vec::new());
     }
     let page = sql::ports_of_owners(owner_ids);
-    ports::<D>(c, page.stmt()).await
+    ports(c, page.stmt()).await
 }
 
-pub async fn release_port<D: Db>(c: &mut D::Connection, id: &str, at: Millis) -> Result<()> {
+pub async fn release_port<E: Exec + ?Sized>(c: &mut E, id: &str, at: Millis) -> Result<()> {
     let s = Stmt::new("UPDATE ports SET released_at = $1 WHERE id = $2 AND released_at IS NULL");
-    D::execute(c, s.int(at).text(id)).await?;
-    Ok(())
+    c.execute(s.int(at).text(id)).await
 }
 
-pub async fn list_ports<D: Db>(
-    c: &mut D::Connection,
+pub async fn list_ports<E: Exec + ?Sized>(
+    c: &mut E,
     host_id: Option<&str>,
     after_port: u16,
     limit: u32,
@@ -138,5 +136,5 @@ pub async fn list_ports<D: Db>(
         Some(h) => s.text(h),
         None => s,
     };
-    ports::<D>(c, s).await
+    ports(c, s).await
 }

@@ -1,9 +1,9 @@
 //! Managed processes.
 
 use crate::model::{Exit, Logs, ProcessFilter, ProcessRecord, ProcessState, TokenRef};
-use crate::store::db::{Cols, Db, Stmt, decode_err, from_json, to_json};
+use crate::store::Result;
+use crate::store::db::{Cols, Exec, Stmt, decode_err, from_json, to_json};
 use crate::store::sql::{self, process_cols, process_current};
-use crate::store::{Result, StoreError};
 
 fn small(what: &str, v: Option<i64>) -> Result<Option<i32>> {
     v.map(i32::try_from)
@@ -48,17 +48,17 @@ fn process_row(r: &impl Cols) -> Result<ProcessRecord> {
     })
 }
 
-async fn processes<D: Db>(c: &mut D::Connection, s: Stmt<'_>) -> Result<Vec<ProcessRecord>> {
-    D::fetch(c, s).await?.iter().map(process_row).collect()
+async fn processes<E: Exec + ?Sized>(c: &mut E, s: Stmt<'_>) -> Result<Vec<ProcessRecord>> {
+    c.fetch(s).await?.iter().map(process_row).collect()
 }
 
-pub async fn process<D: Db>(c: &mut D::Connection, id: &str) -> Result<Option<ProcessRecord>> {
+pub async fn process<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Option<ProcessRecord>> {
     const SQL: &str = concat!("SELECT ", process_cols!(), " FROM processes WHERE id = $1");
-    Ok(processes::<D>(c, Stmt::new(SQL).text(id)).await?.pop())
+    Ok(processes(c, Stmt::new(SQL).text(id)).await?.pop())
 }
 
-pub async fn process_by_operation<D: Db>(
-    c: &mut D::Connection,
+pub async fn process_by_operation<E: Exec + ?Sized>(
+    c: &mut E,
     op: &str,
 ) -> Result<Option<ProcessRecord>> {
     const SQL: &str = concat!(
@@ -67,10 +67,10 @@ pub async fn process_by_operation<D: Db>(
         " FROM processes WHERE operation_id = $1 AND ",
         process_current!()
     );
-    Ok(processes::<D>(c, Stmt::new(SQL).text(op)).await?.pop())
+    Ok(processes(c, Stmt::new(SQL).text(op)).await?.pop())
 }
 
-pub async fn insert_process<D: Db>(c: &mut D::Connection, p: &ProcessRecord) -> Result<()> {
+pub async fn insert_process<E: Exec + ?Sized>(c: &mut E, p: &ProcessRecord) -> Result<()> {
     const SQL: &str = concat!(
         "INSERT INTO processes (",
         process_cols!(),
@@ -101,11 +101,10 @@ pub async fn insert_process<D: Db>(c: &mut D::Connection, p: &ProcessRecord) -> 
         .opt_int(p.ended_at)
         .opt_text(p.end_reason.as_deref())
         .owned(Some(to_json(&p.metadata)?));
-    D::execute(c, s).await?;
-    Ok(())
+    c.execute(s).await
 }
 
-pub async fn update_process<D: Db>(c: &mut D::Connection, p: &ProcessRecord) -> Result<()> {
+pub async fn update_process<E: Exec + ?Sized>(c: &mut E, p: &ProcessRecord) -> Result<()> {
     let s = Stmt::new(
         "UPDATE processes SET state = $1, token = $2, identity = $3, owner = $4, exit_code = $5, \
          exit_signal = $6, ttl_ms = $7, expires_at = $8, started_at = $9, ended_at = $10, \
@@ -123,25 +122,19 @@ pub async fn update_process<D: Db>(c: &mut D::Connection, p: &ProcessRecord) -> 
     .opt_int(p.ended_at)
     .opt_text(p.end_reason.as_deref())
     .text(&p.id);
-    if D::execute(c, s).await? != 1 {
-        return Err(StoreError::Other(format!(
-            "process {} vanished during update",
-            p.id
-        )));
-    }
-    Ok(())
+    c.execute_one(s, format!("process {}", p.id)).await
 }
 
-pub async fn list_processes<D: Db>(
-    c: &mut D::Connection,
+pub async fn list_processes<E: Exec + ?Sized>(
+    c: &mut E,
     f: &ProcessFilter,
 ) -> Result<Vec<ProcessRecord>> {
     let page = sql::list_processes(f);
-    processes::<D>(c, page.stmt()).await
+    processes(c, page.stmt()).await
 }
 
-pub async fn current_processes<D: Db>(
-    c: &mut D::Connection,
+pub async fn current_processes<E: Exec + ?Sized>(
+    c: &mut E,
     host_id: &str,
 ) -> Result<Vec<ProcessRecord>> {
     const SQL: &str = concat!(
@@ -151,11 +144,11 @@ pub async fn current_processes<D: Db>(
         process_current!(),
         " ORDER BY id"
     );
-    processes::<D>(c, Stmt::new(SQL).text(host_id)).await
+    processes(c, Stmt::new(SQL).text(host_id)).await
 }
 
-pub async fn count_current_processes<D: Db>(c: &mut D::Connection) -> Result<i64> {
-    super::count::<D>(
+pub async fn count_current_processes<E: Exec + ?Sized>(c: &mut E) -> Result<i64> {
+    super::count(
         c,
         concat!("SELECT count(*) FROM processes WHERE ", process_current!()),
     )

@@ -3,6 +3,7 @@
 //! (see `writer`); reads use a pool of read-only WAL connections and never
 //! wait behind writes.
 
+mod pipeline;
 mod schema;
 mod writer;
 
@@ -15,7 +16,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Connection, Row, Sqlite, SqliteConnection};
 
-use super::db::{Cols, Db, Stmt, query, scalar};
+use super::db::{Cols, Db, Exec, Stmt, query, scalar, vanished};
 use super::sql_store::SqlStore;
 use super::{BoxFuture, CommitListener, Result, StoreError};
 use crate::time::Millis;
@@ -63,54 +64,59 @@ impl Cols for SqliteRow {
 impl Db for Sqlite {
     const KIND: &'static str = "sqlite";
     const RELAXED_RENEWALS: bool = true;
+}
 
-    fn map_err(e: sqlx::Error) -> StoreError {
-        map_err(e)
-    }
+/// Run `s` now; the rows it changed.
+fn changed<'a>(c: &'a mut SqliteConnection, s: Stmt<'a>) -> BoxFuture<'a, Result<u64>> {
+    Box::pin(async move {
+        let done = query::<Sqlite>(s.sql, s.args)
+            .execute(c)
+            .await
+            .map_err(map_err)?;
+        Ok(done.rows_affected())
+    })
+}
 
-    fn fetch<'c>(
-        c: &'c mut SqliteConnection,
-        s: Stmt<'c>,
-    ) -> BoxFuture<'c, Result<Vec<SqliteRow>>> {
+impl Exec for SqliteConnection {
+    type Row = SqliteRow;
+
+    fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<SqliteRow>>> {
         Box::pin(async move {
             query::<Sqlite>(s.sql, s.args)
-                .fetch_all(c)
+                .fetch_all(self)
                 .await
                 .map_err(map_err)
         })
     }
 
-    fn execute<'c>(c: &'c mut SqliteConnection, s: Stmt<'c>) -> BoxFuture<'c, Result<u64>> {
-        Box::pin(async move {
-            let done = query::<Sqlite>(s.sql, s.args)
-                .execute(c)
-                .await
-                .map_err(map_err)?;
-            Ok(done.rows_affected())
-        })
+    fn execute<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { changed(self, s).await.map(|_| ()) })
     }
 
-    fn append_event<'c>(
-        c: &'c mut SqliteConnection,
-        at: Millis,
-        body: &'c str,
-    ) -> BoxFuture<'c, Result<i64>> {
+    fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { vanished(&what, changed(self, s).await?) })
+    }
+
+    fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
         let s = Stmt::new("INSERT INTO events (at, body) VALUES ($1, $2) RETURNING seq");
         Box::pin(async move {
-            scalar::<Sqlite>(c, s.int(at).text(body))
+            scalar(self, s.int(at).text(body))
                 .await?
                 .ok_or_else(|| StoreError::Other("no seq was returned".into()))
         })
     }
 
-    /// Kept by AUTOINCREMENT in `sqlite_sequence`, so it holds when
-    /// retention has removed every event (where `max(seq)` would go back).
-    fn last_event_seq(c: &mut SqliteConnection) -> BoxFuture<'_, Result<i64>> {
-        let s = Stmt::new(
-            "SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0)",
-        );
-        Box::pin(async move { Ok(scalar::<Sqlite>(c, s).await?.unwrap_or(0)) })
+    fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(last_event_seq(self))
     }
+}
+
+/// Kept by AUTOINCREMENT in `sqlite_sequence`, so it holds when retention
+/// has removed every event (where `max(seq)` would go back).
+pub(super) async fn last_event_seq<E: Exec + ?Sized>(c: &mut E) -> Result<i64> {
+    let s =
+        Stmt::new("SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0)");
+    Ok(scalar(c, s).await?.unwrap_or(0))
 }
 
 fn options(path: &Path) -> SqliteConnectOptions {
@@ -152,7 +158,7 @@ impl SqlStore<Sqlite> {
 
 async fn recover(conn: &mut SqliteConnection, boot_id: &str, now: Millis) -> Result<()> {
     let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(map_err)?;
-    if super::rows::meta::<Sqlite>(&mut *tx, "boot_id")
+    if super::rows::meta(&mut *tx, "boot_id")
         .await?
         .is_some_and(|b| b != boot_id)
     {
@@ -161,12 +167,12 @@ async fn recover(conn: &mut SqliteConnection, boot_id: &str, now: Millis) -> Res
             super::sql::lease_current!(),
             " AND ttl_ms IS NOT NULL"
         ));
-        let n = Sqlite::execute(&mut *tx, s.int(now)).await?;
+        let n = changed(&mut tx, s.int(now)).await?;
         tracing::info!(
             leases = n,
             "host rebooted since the last run: current leases get their full TTL again"
         );
     }
-    super::rows::set_meta::<Sqlite>(&mut *tx, "boot_id", boot_id).await?;
+    super::rows::set_meta(&mut *tx, "boot_id", boot_id).await?;
     tx.commit().await.map_err(map_err)
 }

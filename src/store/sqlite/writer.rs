@@ -3,24 +3,30 @@
 //! batch inside a savepoint so that a failing job does not undo the others.
 //! Renewals alone are committed at `synchronous=NORMAL`; any durable job
 //! makes the commit (and every earlier unsynced one in the WAL) durable.
+//! Statements go through the `Pipeline`: a lone renewal is two round trips
+//! to SQLite's thread (BEGIN with its read, its update with the COMMIT).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures_util::FutureExt;
-use sqlx::{Sqlite, SqliteConnection};
+use sqlx::SqliteConnection;
 
+use super::pipeline::Pipeline;
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
 use crate::store::sql_tx::SqlTx;
-use crate::store::{BoxFuture, CommitListener, Result, StoreError};
+use crate::store::{BoxFuture, CommitListener, JobOutput, Result, StoreError};
 
 struct Conn {
     conn: SqliteConnection,
-    /// The connection's `synchronous` level is FULL now.
-    full_sync: bool,
+    /// The connection's `synchronous` level is FULL (Some(true)), NORMAL,
+    /// or not known after a failure.
+    full_sync: Option<bool>,
     /// A transaction of ours may be open (one that never finished).
     open: bool,
+    /// The last event seq committed.
+    seq: i64,
 }
 
 struct Writer {
@@ -36,24 +42,24 @@ pub(super) async fn start(
     mut conn: SqliteConnection,
     listener: Arc<dyn CommitListener>,
 ) -> Result<Arc<dyn Writes>> {
-    {
-        let rolled_back = Arc::new(AtomicBool::new(false));
-        let flag = rolled_back.clone();
-        conn.lock_handle()
-            .await
-            .map_err(super::map_err)?
-            .set_rollback_hook(move || flag.store(true, Ordering::SeqCst));
-        let writer = Writer {
-            conn: tokio::sync::Mutex::new(Some(Conn {
-                conn,
-                full_sync: true,
-                open: false,
-            })),
-            rolled_back,
-            listener,
-        };
-        Ok(Arc::new(GroupCommit::new(writer)) as Arc<dyn Writes>)
-    }
+    let seq = super::last_event_seq(&mut conn).await?;
+    let rolled_back = Arc::new(AtomicBool::new(false));
+    let flag = rolled_back.clone();
+    conn.lock_handle()
+        .await
+        .map_err(super::map_err)?
+        .set_rollback_hook(move || flag.store(true, Ordering::SeqCst));
+    let writer = Writer {
+        conn: tokio::sync::Mutex::new(Some(Conn {
+            conn,
+            full_sync: Some(true),
+            open: false,
+            seq,
+        })),
+        rolled_back,
+        listener,
+    };
+    Ok(Arc::new(GroupCommit::new(writer)) as Arc<dyn Writes>)
 }
 
 // Boxed, as every future of sqlx calls that a spawned task awaits: rustc
@@ -65,6 +71,14 @@ fn exec<'c>(c: &'c mut SqliteConnection, sql: &'static str) -> BoxFuture<'c, Res
             .map(|_| ())
             .map_err(super::map_err)
     })
+}
+
+fn sync_pragma(full: bool) -> &'static str {
+    if full {
+        "PRAGMA synchronous = FULL"
+    } else {
+        "PRAGMA synchronous = NORMAL"
+    }
 }
 
 impl Batches for Writer {
@@ -93,114 +107,136 @@ impl Batches for Writer {
     }
 }
 
+type Reply = tokio::sync::oneshot::Sender<Result<JobOutput>>;
+
 impl Writer {
-    /// `BEGIN IMMEDIATE` at the sync level the batch needs, and the first
-    /// job's savepoint when there are several, in one round trip.
-    async fn begin(&self, c: &mut Conn, durable: bool, savepoint: bool) -> Result<()> {
+    async fn run_batch(&self, c: &mut Conn, batch: Vec<Job>) {
         if c.open {
             // Left open by a batch that never finished: nothing of it was answered.
             let _ = exec(&mut c.conn, "ROLLBACK").await;
             c.open = false;
         }
-        let sql = match (c.full_sync == durable, durable, savepoint) {
-            (true, _, false) => "BEGIN IMMEDIATE",
-            (true, _, true) => "BEGIN IMMEDIATE; SAVEPOINT job",
-            (false, true, false) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE",
-            (false, true, true) => "PRAGMA synchronous = FULL; BEGIN IMMEDIATE; SAVEPOINT job",
-            (false, false, false) => "PRAGMA synchronous = NORMAL; BEGIN IMMEDIATE",
-            (false, false, true) => "PRAGMA synchronous = NORMAL; BEGIN IMMEDIATE; SAVEPOINT job",
-        };
-        exec(&mut c.conn, sql).await?;
-        c.full_sync = durable;
-        c.open = true;
-        self.rolled_back.store(false, Ordering::SeqCst);
-        Ok(())
-    }
-
-    async fn end(&self, c: &mut Conn, sql: &'static str) -> Result<()> {
-        let out = exec(&mut c.conn, sql).await;
-        if out.is_ok() {
-            c.open = false;
-        }
-        out
-    }
-
-    async fn run_batch(&self, c: &mut Conn, batch: Vec<Job>) {
         let durable = batch.iter().any(|j| j.durable);
         let single = batch.len() == 1;
-        if let Err(e) = self.begin(c, durable, !single).await {
-            return fail(batch.into_iter().map(|j| j.reply), &e);
+        let mut p = Pipeline::new(&mut c.conn, c.seq);
+        if c.full_sync != Some(durable) {
+            p.queue_raw(sync_pragma(durable));
         }
-        let mut needs_sync = false;
-        let mut done = Vec::with_capacity(batch.len());
+        p.queue_raw("BEGIN IMMEDIATE");
+        // Sent with the first job's first statement; assumed until then.
+        c.full_sync = None;
+        c.open = true;
+        self.rolled_back.store(false, Ordering::SeqCst);
+
+        let mut done: Vec<(Reply, Result<JobOutput>)> = Vec::with_capacity(batch.len());
         let mut effects = Vec::new();
-        let mut jobs = batch.into_iter();
+        let mut needs_sync = false;
+        let mut committed = false;
+        let mut savepoint_ready = false;
+        let mut jobs = batch.into_iter().peekable();
         while let Some(job) = jobs.next() {
-            // Each job of several gets a savepoint (the first one's came with
-            // BEGIN). They are never released, which would cost a round trip
-            // each: `ROLLBACK TO` undoes the newest of that name, and COMMIT
-            // keeps them all.
-            if !single
-                && !done.is_empty()
-                && let Err(e) = exec(&mut c.conn, "SAVEPOINT job").await
-            {
-                let _ = job.reply.send(Err(e));
-                continue;
+            if !single && !savepoint_ready {
+                p.queue_raw("SAVEPOINT job");
             }
-            let mut tx = SqlTx::<Sqlite>::new(&mut c.conn);
+            savepoint_ready = false;
+            let before = p.mark();
+            let mut tx = SqlTx::new(&mut p);
             // A job that panics fails alone; the writer lives on.
             let out = std::panic::AssertUnwindSafe((job.run)(&mut tx))
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|_| Err(StoreError::Other("a store job panicked".into())));
             let (job_effects, job_durable) = (tx.effects, tx.durable);
+            let last = jobs.peek().is_none();
+            // Send what the job left queued: with the COMMIT after the
+            // last job, with the next job's savepoint after the others.
+            let mut fatal = None;
             let out = match out {
-                Err(e) if !single => match exec(&mut c.conn, "ROLLBACK TO job").await {
-                    Ok(()) => Err(e),
-                    Err(undo) => Err(undo),
-                },
+                Ok(v) if p.len() > 0 || last => {
+                    let own = p.len();
+                    p.queue_raw(if last { "COMMIT" } else { "SAVEPOINT job" });
+                    match p.send().await {
+                        Ok(_) => {
+                            committed = last;
+                            savepoint_ready = !last;
+                            Ok(v)
+                        }
+                        Err(f) if f.at < own => Err(f.error),
+                        Err(f) => {
+                            fatal = Some(f.error);
+                            Ok(v)
+                        }
+                    }
+                }
                 out => out,
             };
             if out.is_ok() {
                 effects.extend(job_effects);
                 needs_sync |= job_durable;
+            } else if p.undo_to(before) {
+                // Nothing of the job reached SQLite: the BEGIN or savepoint
+                // queued before it is still queued, for the next job.
+                savepoint_ready = !single;
+                if single {
+                    c.open = false;
+                    let _ = job.reply.send(out);
+                    return;
+                }
+            } else if single {
+                // The job's own error is the answer, whether this works or
+                // SQLite already rolled back.
+                p.queue_raw("ROLLBACK");
+                let _ = p.send().await;
+                c.open = false;
+                let _ = job.reply.send(out);
+                return;
+            } else {
+                p.queue_raw("ROLLBACK TO job");
+                if let Err(f) = p.send().await {
+                    fatal = Some(f.error);
+                }
             }
             done.push((job.reply, out));
             // SQLite rolls the whole transaction back on some errors (disk
             // full, I/O): then nothing of this batch may be answered as done.
-            let lone_failure = single && done.iter().all(|(_, o)| o.is_err());
-            if self.rolled_back.load(Ordering::SeqCst) && !lone_failure {
+            if self.rolled_back.load(Ordering::SeqCst) && fatal.is_none() {
+                fatal = Some(StoreError::Unavailable(
+                    "the transaction was rolled back by the store".into(),
+                ));
+            }
+            if let Some(e) = fatal {
+                p.clear();
+                p.queue_raw("ROLLBACK");
+                let _ = p.send().await;
                 c.open = false;
-                let e =
-                    StoreError::Unavailable("the transaction was rolled back by the store".into());
                 let rest = jobs.map(|j| j.reply);
                 return fail(done.into_iter().map(|(r, _)| r).chain(rest), &e);
             }
         }
-        let outcome = if single && done.first().is_some_and(|(_, out)| out.is_err()) {
-            // The job's own error is the answer, whether this works or
-            // SQLite already rolled back (then the next batch tries again).
-            let _ = self.end(c, "ROLLBACK").await;
-            Ok(())
-        } else if let Err(e) = self.end(c, "COMMIT").await {
-            let _ = self.end(c, "ROLLBACK").await;
-            Err(e)
-        } else if needs_sync && !c.full_sync {
+        if !committed {
+            // The last job failed and was undone: commit the others.
+            p.queue_raw("COMMIT");
+            if let Err(f) = p.send().await {
+                p.queue_raw("ROLLBACK");
+                let _ = p.send().await;
+                c.open = false;
+                return fail(done.into_iter().map(|(r, _)| r), &f.error);
+            }
+        }
+        let seq = p.seq;
+        c.open = false;
+        c.seq = seq;
+        c.full_sync = Some(durable);
+        if needs_sync && !durable {
             // A non-durable batch that ended a lease: make it durable before
             // answering. The sync level cannot change inside a transaction,
             // so commit one more small one at FULL, which syncs the whole WAL.
-            let synced = self.sync_wal(c).await;
-            if synced.is_err() {
+            if let Err(e) = self.sync_wal(c).await {
                 // Committed and visible, only not known to be on disk: wake
                 // the waiters, but do not answer it as durable.
                 self.listener.committed(&effects);
+                return fail(done.into_iter().map(|(r, _)| r), &e);
             }
-            synced
-        } else {
-            Ok(())
-        };
-        if let Err(e) = outcome {
-            return fail(done.into_iter().map(|(r, _)| r), &e);
         }
         if !effects.is_empty() {
             self.listener.committed(&effects);
@@ -211,14 +247,21 @@ impl Writer {
     }
 
     async fn sync_wal(&self, c: &mut Conn) -> Result<()> {
-        self.begin(c, true, false).await?;
+        let mut p = Pipeline::new(&mut c.conn, c.seq);
+        p.queue_raw(sync_pragma(true));
+        p.queue_raw("BEGIN IMMEDIATE");
         let now = crate::time::now_ms().to_string();
-        let set = crate::store::rows::set_meta::<Sqlite>(&mut c.conn, "synced_at", &now).await;
-        match set {
-            Ok(()) => self.end(c, "COMMIT").await,
-            Err(e) => {
-                let _ = self.end(c, "ROLLBACK").await;
-                Err(e)
+        crate::store::rows::set_meta(&mut p, "synced_at", &now).await?;
+        p.queue_raw("COMMIT");
+        match p.send().await {
+            Ok(_) => {
+                c.full_sync = Some(true);
+                Ok(())
+            }
+            Err(f) => {
+                c.full_sync = None;
+                let _ = exec(&mut c.conn, "ROLLBACK").await;
+                Err(f.error)
             }
         }
     }
@@ -227,7 +270,7 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Effect, JobFn, JobOutput};
+    use crate::store::{Effect, JobFn, Tx};
     use sqlx::Connection;
     use tokio::sync::oneshot;
 
@@ -236,15 +279,56 @@ mod tests {
         fn committed(&self, _: &[Effect]) {}
     }
 
-    fn set(key: &'static str, fail: bool) -> (Job, oneshot::Receiver<Result<JobOutput>>) {
+    /// What a test job does: sets meta `key`, appends an event, then fails
+    /// (or not) in one of these ways.
+    #[derive(Clone, Copy)]
+    enum Then {
+        Succeed,
+        /// Fails in Rust, after its statements were queued, before any was sent.
+        FailUnsent,
+        /// Reads (sending what it queued), then fails in Rust.
+        FailSent,
+        /// Queues a statement that SQLite refuses (a duplicate key), and
+        /// succeeds in Rust: the refusal comes when it is sent.
+        Refused,
+    }
+
+    type Answer = oneshot::Receiver<Result<JobOutput>>;
+
+    fn job(key: &'static str, then: Then) -> (Job, Answer) {
         let (reply, rx) = oneshot::channel();
-        let run: JobFn = Box::new(move |tx| {
+        let run: JobFn = Box::new(move |tx: &mut dyn Tx| {
             Box::pin(async move {
                 tx.set_meta(key, "x").await?;
-                if fail {
-                    return Err(StoreError::Other("the job failed".into()));
+                let seq = tx.append_event(1, format!(r#"{{"key":"{key}"}}"#)).await?;
+                match then {
+                    Then::Succeed => {}
+                    Then::FailUnsent => return Err(StoreError::Other("failed".into())),
+                    Then::FailSent => {
+                        tx.lease("none").await?;
+                        return Err(StoreError::Other("failed".into()));
+                    }
+                    Then::Refused => {
+                        let dup = crate::model::PortRecord {
+                            id: "dup".into(),
+                            host_id: "h".into(),
+                            port: 1,
+                            name: "n".into(),
+                            owner: crate::model::PortOwner {
+                                process: None,
+                                lease: Some(crate::model::TokenRef {
+                                    id: "l".into(),
+                                    token: 1,
+                                }),
+                            },
+                            reserved_at: 1,
+                            released_at: Some(1),
+                        };
+                        tx.insert_port(&dup).await?;
+                        tx.insert_port(&dup).await?;
+                    }
                 }
-                Ok(Box::new(()) as JobOutput)
+                Ok(Box::new(seq) as JobOutput)
             })
         });
         let job = Job {
@@ -255,13 +339,11 @@ mod tests {
         (job, rx)
     }
 
-    #[tokio::test]
-    async fn a_failed_job_is_undone_alone_and_the_others_of_its_batch_are_kept() {
+    async fn writer() -> (Writer, Conn, tempfile::TempDir) {
         let dir = tempfile::tempdir().expect("tempdir");
         let url = format!("sqlite://{}?mode=rwc", dir.path().join("t.db").display());
         let mut conn = SqliteConnection::connect(&url).await.expect("open");
-        sqlx::raw_sql("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            .execute(&mut conn)
+        super::super::schema::migrate(&mut conn)
             .await
             .expect("schema");
         let writer = Writer {
@@ -269,23 +351,77 @@ mod tests {
             rolled_back: Arc::new(AtomicBool::new(false)),
             listener: Arc::new(Nobody),
         };
-        let mut c = Conn {
+        let c = Conn {
             conn,
-            full_sync: true,
+            full_sync: Some(true),
             open: false,
+            seq: 0,
         };
-        let (a, a_rx) = set("a", false);
-        let (b, b_rx) = set("b", true);
-        let (d, d_rx) = set("d", false);
-        writer.run_batch(&mut c, vec![a, b, d]).await;
-        assert!(matches!(a_rx.await, Ok(Ok(_))));
-        assert!(matches!(b_rx.await, Ok(Err(StoreError::Other(_)))));
-        assert!(matches!(d_rx.await, Ok(Ok(_))));
-        let keys: Vec<String> = sqlx::query_scalar("SELECT key FROM meta ORDER BY key")
+        (writer, c, dir)
+    }
+
+    async fn seq_of(rx: Answer) -> Result<i64> {
+        let out = rx.await.expect("answered")?;
+        Ok(*out.downcast::<i64>().expect("a seq"))
+    }
+
+    /// Meta keys and event seqs in the database.
+    async fn kept(c: &mut Conn) -> (Vec<String>, Vec<i64>) {
+        let keys = sqlx::query_scalar("SELECT key FROM meta ORDER BY key")
             .fetch_all(&mut c.conn)
             .await
             .expect("keys");
-        assert_eq!(keys, ["a", "d"]);
-        assert!(!c.open, "the transaction ended");
+        let seqs = sqlx::query_scalar("SELECT seq FROM events ORDER BY seq")
+            .fetch_all(&mut c.conn)
+            .await
+            .expect("seqs");
+        (keys, seqs)
+    }
+
+    #[tokio::test]
+    async fn a_failed_job_is_undone_alone_however_it_fails_and_seqs_stay_gap_free() {
+        for then in [Then::FailUnsent, Then::FailSent, Then::Refused] {
+            let (w, mut c, _dir) = writer().await;
+            let (a, a_rx) = job("a", Then::Succeed);
+            let (b, b_rx) = job("b", then);
+            let (d, d_rx) = job("d", Then::Succeed);
+            w.run_batch(&mut c, vec![a, b, d]).await;
+            assert_eq!(seq_of(a_rx).await.expect("a"), 1);
+            assert!(seq_of(b_rx).await.is_err());
+            assert_eq!(seq_of(d_rx).await.expect("d"), 2, "b's seq is taken again");
+            assert_eq!(
+                kept(&mut c).await,
+                (vec!["a".into(), "d".into()], vec![1, 2])
+            );
+            assert!(!c.open, "the transaction ended");
+            assert_eq!(c.seq, 2);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lone_job_that_fails_keeps_nothing_and_the_next_batch_goes_on() {
+        for then in [Then::FailUnsent, Then::FailSent, Then::Refused] {
+            let (w, mut c, _dir) = writer().await;
+            let (b, b_rx) = job("b", then);
+            w.run_batch(&mut c, vec![b]).await;
+            assert!(seq_of(b_rx).await.is_err());
+            let (a, a_rx) = job("a", Then::Succeed);
+            w.run_batch(&mut c, vec![a]).await;
+            assert_eq!(seq_of(a_rx).await.expect("a"), 1);
+            assert_eq!(kept(&mut c).await, (vec!["a".into()], vec![1]));
+        }
+    }
+
+    #[tokio::test]
+    async fn the_last_job_of_a_batch_failing_still_commits_the_others() {
+        for then in [Then::FailUnsent, Then::FailSent, Then::Refused] {
+            let (w, mut c, _dir) = writer().await;
+            let (a, a_rx) = job("a", Then::Succeed);
+            let (b, b_rx) = job("b", then);
+            w.run_batch(&mut c, vec![a, b]).await;
+            assert_eq!(seq_of(a_rx).await.expect("a"), 1);
+            assert!(seq_of(b_rx).await.is_err());
+            assert_eq!(kept(&mut c).await, (vec!["a".into()], vec![1]));
+        }
     }
 }
