@@ -2,6 +2,7 @@
 //! transaction (`Store::write`); each job sees a `Tx` and nothing else, so
 //! the rules in `leases` never know which database is behind them.
 
+mod cache;
 pub mod db;
 mod group;
 mod migrate;

@@ -1,6 +1,7 @@
 //! The `Tx` of both stores: each operation is one shared statement on the
 //! connection that holds the write transaction.
 
+use super::cache::Cache;
 use super::db::Exec;
 use super::{BoxFuture, Effect, Result, Tx, rows};
 use crate::model::{LeaseRecord, PortRecord, ProcessRecord};
@@ -8,6 +9,8 @@ use crate::time::Millis;
 
 pub struct SqlTx<'c, E: Exec + ?Sized> {
     pub conn: &'c mut E,
+    /// The single writer's memory of what it wrote, if it keeps one.
+    cache: Option<&'c mut Cache>,
     /// What this job's commit means for waiters.
     pub effects: Vec<Effect>,
     /// The job asked for a durable commit.
@@ -15,9 +18,10 @@ pub struct SqlTx<'c, E: Exec + ?Sized> {
 }
 
 impl<'c, E: Exec + ?Sized> SqlTx<'c, E> {
-    pub fn new(conn: &'c mut E) -> Self {
+    pub fn new(conn: &'c mut E, cache: Option<&'c mut Cache>) -> Self {
         Self {
             conn,
+            cache,
             effects: Vec::new(),
             durable: false,
         }
@@ -26,26 +30,77 @@ impl<'c, E: Exec + ?Sized> SqlTx<'c, E> {
 
 impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     fn lease<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        Box::pin(rows::lease(self.conn, id))
+        Box::pin(async move {
+            if let Some(hit) = self.cache.as_deref().and_then(|c| c.lease(id)) {
+                return Ok(Some(hit));
+            }
+            let found = rows::lease(self.conn, id).await?;
+            if let (Some(cache), Some(rec)) = (self.cache.as_deref_mut(), &found) {
+                cache.saw_lease(rec);
+            }
+            Ok(found)
+        })
     }
 
     fn current_lease<'a>(
         &'a mut self,
         resource: &'a str,
     ) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        Box::pin(rows::current_lease(self.conn, resource))
+        Box::pin(async move {
+            if let Some(hit) = self
+                .cache
+                .as_deref()
+                .and_then(|c| c.current_lease(resource))
+            {
+                return Ok(hit);
+            }
+            let found = rows::current_lease(self.conn, resource).await?;
+            if let Some(cache) = self.cache.as_deref_mut() {
+                match &found {
+                    Some(rec) => cache.saw_lease(rec),
+                    None => cache.saw_no_current(resource),
+                }
+            }
+            Ok(found)
+        })
     }
 
     fn next_token<'a>(&'a mut self, resource: &'a str) -> BoxFuture<'a, Result<i64>> {
-        Box::pin(rows::next_token(self.conn, resource))
+        Box::pin(async move {
+            if let Some(token) = self
+                .cache
+                .as_deref_mut()
+                .and_then(|c| c.next_token(resource))
+            {
+                rows::set_token(self.conn, resource, token).await?;
+                return Ok(token);
+            }
+            let token = rows::next_token(self.conn, resource).await?;
+            if let Some(cache) = self.cache.as_deref_mut() {
+                cache.saw_token(resource, token);
+            }
+            Ok(token)
+        })
     }
 
     fn insert_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::insert_lease(self.conn, lease))
+        Box::pin(async move {
+            rows::insert_lease(self.conn, lease).await?;
+            if let Some(cache) = self.cache.as_deref_mut() {
+                cache.saw_lease(lease);
+            }
+            Ok(())
+        })
     }
 
     fn update_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::update_lease(self.conn, lease))
+        Box::pin(async move {
+            rows::update_lease(self.conn, lease).await?;
+            if let Some(cache) = self.cache.as_deref_mut() {
+                cache.saw_lease(lease);
+            }
+            Ok(())
+        })
     }
 
     fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<i64>> {
@@ -100,15 +155,36 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     }
 
     fn insert_port<'a>(&'a mut self, p: &'a PortRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::insert_port(self.conn, p))
+        Box::pin(async move {
+            rows::insert_port(self.conn, p).await?;
+            if let Some(cache) = self.cache.as_deref_mut() {
+                cache.port_inserted(p);
+            }
+            Ok(())
+        })
     }
 
     fn ports_of<'a>(&'a mut self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        Box::pin(rows::ports_of(self.conn, owner_id))
+        Box::pin(async move {
+            if let Some(hit) = self.cache.as_deref().and_then(|c| c.ports_of(owner_id)) {
+                return Ok(hit);
+            }
+            let found = rows::ports_of(self.conn, owner_id).await?;
+            if let Some(cache) = self.cache.as_deref_mut() {
+                cache.saw_ports(owner_id, &found);
+            }
+            Ok(found)
+        })
     }
 
     fn release_port<'a>(&'a mut self, id: &'a str, at: Millis) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::release_port(self.conn, id, at))
+        Box::pin(async move {
+            rows::release_port(self.conn, id, at).await?;
+            if let Some(cache) = self.cache.as_deref_mut() {
+                cache.port_released(id);
+            }
+            Ok(())
+        })
     }
 
     fn after_commit(&mut self, effect: Effect) {

@@ -93,7 +93,7 @@ impl Writer {
         let mut effects = Vec::new();
         let mut jobs = batch.into_iter();
         while let Some(job) = jobs.next() {
-            let mut tx = SqlTx::new(&mut *conn);
+            let mut tx = SqlTx::new(&mut *conn, None);
             let out = std::panic::AssertUnwindSafe((job.run)(&mut tx))
                 .catch_unwind()
                 .await

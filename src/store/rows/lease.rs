@@ -69,6 +69,15 @@ pub async fn next_token<E: Exec + ?Sized>(c: &mut E, resource: &str) -> Result<i
         .ok_or_else(|| StoreError::Other("no token was returned".into()))
 }
 
+/// Record `token` as the last of `resource`, when the caller counted it.
+pub async fn set_token<E: Exec + ?Sized>(c: &mut E, resource: &str, token: i64) -> Result<()> {
+    let s = Stmt::new(
+        "INSERT INTO resources (resource, last_token) VALUES ($1, $2) \
+         ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token",
+    );
+    c.execute(s.text(resource).int(token)).await
+}
+
 pub async fn insert_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
     const SQL: &str = concat!(
         "INSERT INTO leases (",

@@ -141,7 +141,10 @@ impl SqlStore<Sqlite> {
         let writer_opts = options(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full);
+            .synchronous(SqliteSynchronous::Full)
+            // The pipeline sends statements in many combinations, each one
+            // prepared query: keep them all prepared.
+            .statement_cache_capacity(4096);
         let mut conn = SqliteConnection::connect_with(&writer_opts)
             .await
             .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;

@@ -13,6 +13,7 @@ use futures_util::FutureExt;
 use sqlx::SqliteConnection;
 
 use super::pipeline::Pipeline;
+use crate::store::cache::Cache;
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
 use crate::store::sql_tx::SqlTx;
@@ -27,6 +28,8 @@ struct Conn {
     open: bool,
     /// The last event seq committed.
     seq: i64,
+    /// What this writer wrote and read, for the next transactions.
+    cache: Cache,
 }
 
 struct Writer {
@@ -55,6 +58,7 @@ pub(super) async fn start(
             full_sync: Some(true),
             open: false,
             seq,
+            cache: Cache::default(),
         })),
         rolled_back,
         listener,
@@ -140,7 +144,7 @@ impl Writer {
             }
             savepoint_ready = false;
             let before = p.mark();
-            let mut tx = SqlTx::new(&mut p);
+            let mut tx = SqlTx::new(&mut p, Some(&mut c.cache));
             // A job that panics fails alone; the writer lives on.
             let out = std::panic::AssertUnwindSafe((job.run)(&mut tx))
                 .catch_unwind()
@@ -173,27 +177,31 @@ impl Writer {
             if out.is_ok() {
                 effects.extend(job_effects);
                 needs_sync |= job_durable;
-            } else if p.undo_to(before) {
-                // Nothing of the job reached SQLite: the BEGIN or savepoint
-                // queued before it is still queued, for the next job.
-                savepoint_ready = !single;
-                if single {
+            } else {
+                // The job's writes are undone: forget what it taught the cache.
+                c.cache.clear();
+                if p.undo_to(before) {
+                    // Nothing of the job reached SQLite: the BEGIN or
+                    // savepoint queued before it is still queued, for the next.
+                    savepoint_ready = !single;
+                    if single {
+                        c.open = false;
+                        let _ = job.reply.send(out);
+                        return;
+                    }
+                } else if single {
+                    // The job's own error is the answer, whether this works
+                    // or SQLite already rolled back.
+                    p.queue_raw("ROLLBACK");
+                    let _ = p.send().await;
                     c.open = false;
                     let _ = job.reply.send(out);
                     return;
-                }
-            } else if single {
-                // The job's own error is the answer, whether this works or
-                // SQLite already rolled back.
-                p.queue_raw("ROLLBACK");
-                let _ = p.send().await;
-                c.open = false;
-                let _ = job.reply.send(out);
-                return;
-            } else {
-                p.queue_raw("ROLLBACK TO job");
-                if let Err(f) = p.send().await {
-                    fatal = Some(f.error);
+                } else {
+                    p.queue_raw("ROLLBACK TO job");
+                    if let Err(f) = p.send().await {
+                        fatal = Some(f.error);
+                    }
                 }
             }
             done.push((job.reply, out));
@@ -205,6 +213,7 @@ impl Writer {
                 ));
             }
             if let Some(e) = fatal {
+                c.cache.clear();
                 p.clear();
                 p.queue_raw("ROLLBACK");
                 let _ = p.send().await;
@@ -217,6 +226,7 @@ impl Writer {
             // The last job failed and was undone: commit the others.
             p.queue_raw("COMMIT");
             if let Err(f) = p.send().await {
+                c.cache.clear();
                 p.queue_raw("ROLLBACK");
                 let _ = p.send().await;
                 c.open = false;
@@ -356,6 +366,7 @@ mod tests {
             full_sync: Some(true),
             open: false,
             seq: 0,
+            cache: Cache::default(),
         };
         (writer, c, dir)
     }
@@ -423,5 +434,76 @@ mod tests {
             assert!(seq_of(b_rx).await.is_err());
             assert_eq!(kept(&mut c).await, (vec!["a".into()], vec![1]));
         }
+    }
+
+    fn acquire(resource: &'static str, fail: bool) -> (Job, Answer) {
+        let (reply, rx) = oneshot::channel();
+        let run: JobFn = Box::new(move |tx: &mut dyn Tx| {
+            Box::pin(async move {
+                if let Some(held) = tx.current_lease(resource).await? {
+                    return Ok(Box::new(-held.token) as JobOutput);
+                }
+                let token = tx.next_token(resource).await?;
+                let l = crate::model::LeaseRecord {
+                    id: format!("{resource}-{token}"),
+                    resource: resource.into(),
+                    token,
+                    holder: "h".into(),
+                    state: crate::model::LeaseState::Active,
+                    owner: None,
+                    parent: None,
+                    ttl_ms: None,
+                    expires_at: None,
+                    acquired_at: 0,
+                    renewed_at: None,
+                    ended_at: None,
+                    end_reason: None,
+                    metadata: Default::default(),
+                };
+                tx.insert_lease(&l).await?;
+                if fail {
+                    tx.lease("none").await?;
+                    return Err(StoreError::Other("failed".into()));
+                }
+                Ok(Box::new(token) as JobOutput)
+            })
+        });
+        let job = Job {
+            durable: true,
+            run,
+            reply,
+        };
+        (job, rx)
+    }
+
+    #[tokio::test]
+    async fn what_a_failed_job_wrote_is_not_remembered() {
+        let (w, mut c, _dir) = writer().await;
+        let (a, a_rx) = acquire("r", true);
+        w.run_batch(&mut c, vec![a]).await;
+        assert!(seq_of(a_rx).await.is_err());
+        let (b, b_rx) = acquire("r", false);
+        let (d, d_rx) = acquire("r", false);
+        w.run_batch(&mut c, vec![b, d]).await;
+        assert_eq!(
+            seq_of(b_rx).await.expect("b"),
+            1,
+            "the failed job's lease and token are gone"
+        );
+        assert_eq!(
+            seq_of(d_rx).await.expect("d"),
+            -1,
+            "the lease b took is seen as held"
+        );
+        let (e, e_rx) = acquire("s", false);
+        w.run_batch(&mut c, vec![e]).await;
+        assert_eq!(seq_of(e_rx).await.expect("e"), 1);
+        let current: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM leases WHERE state IN ('reserved', 'active') ORDER BY id",
+        )
+        .fetch_all(&mut c.conn)
+        .await
+        .expect("leases");
+        assert_eq!(current, ["r-1", "s-1"]);
     }
 }
