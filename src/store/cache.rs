@@ -99,6 +99,11 @@ impl Cache {
         self.ports.insert(owner.to_owned(), ports.to_vec());
     }
 
+    /// `owner` was just created: it holds no ports yet.
+    pub fn new_owner(&mut self, owner: &str) {
+        self.saw_ports(owner, &[]);
+    }
+
     pub fn port_inserted(&mut self, p: &PortRecord) {
         let Some(target) = p.owner.target() else {
             return;

@@ -88,6 +88,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
             rows::insert_lease(self.conn, lease).await?;
             if let Some(cache) = self.cache.as_deref_mut() {
                 cache.saw_lease(lease);
+                cache.new_owner(&lease.id);
             }
             Ok(())
         })
@@ -135,7 +136,13 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     }
 
     fn insert_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::insert_process(self.conn, p))
+        Box::pin(async move {
+            rows::insert_process(self.conn, p).await?;
+            if let Some(cache) = self.cache.as_deref_mut() {
+                cache.new_owner(&p.id);
+            }
+            Ok(())
+        })
     }
 
     fn update_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {

@@ -18,20 +18,32 @@ use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
 /// A failed send: the queued statement that failed (an index into what
-/// was sent), and why.
+/// was sent), the job that queued it, and why.
 #[derive(Debug)]
 pub struct Failed {
     pub at: usize,
+    pub owner: usize,
     pub error: StoreError,
+}
+
+/// A queued statement: the job that queued it, and for one that must
+/// change exactly one row, what vanished otherwise.
+#[derive(Debug)]
+struct Queued {
+    owner: usize,
+    must_change_one: Option<String>,
 }
 
 pub struct Pipeline<'c> {
     conn: &'c mut SqliteConnection,
     sql: String,
     args: Vec<Arg<'static>>,
-    /// One entry per queued statement: for one that must change exactly one
-    /// row, what vanished otherwise.
-    queued: Vec<Option<String>>,
+    queued: Vec<Queued>,
+    /// The job whose statements are being queued now.
+    pub owner: usize,
+    /// The job whose queued statement failed in the last failed send made
+    /// for a job's own read (which returns only the error to that job).
+    pub failed_owner: Option<usize>,
     /// The last event seq handed out, queued events included.
     pub seq: i64,
     /// Sends so far.
@@ -86,6 +98,8 @@ impl<'c> Pipeline<'c> {
             sql: String::new(),
             args: Vec::new(),
             queued: Vec::new(),
+            owner: 0,
+            failed_owner: None,
             seq,
             sends: 0,
         }
@@ -125,7 +139,10 @@ impl<'c> Pipeline<'c> {
         self.sql.push_str(&shift(s.sql, self.args.len()));
         self.sql.push_str(";\n");
         self.args.extend(s.args.into_iter().map(owned));
-        self.queued.push(must_change_one);
+        self.queued.push(Queued {
+            owner: self.owner,
+            must_change_one,
+        });
     }
 
     /// How many statements are queued.
@@ -164,6 +181,7 @@ impl<'c> Pipeline<'c> {
                 Err(e) => {
                     return Err(Failed {
                         at: done,
+                        owner: queued.get(done).map_or(self.owner, |q| q.owner),
                         error: map_err(e),
                     });
                 }
@@ -171,11 +189,17 @@ impl<'c> Pipeline<'c> {
             match item {
                 Either::Right(row) => rows.push(row),
                 Either::Left(result) => {
-                    if let Some(Some(what)) = queued.get(done)
+                    if let Some(q) = queued.get(done)
+                        && let Some(what) = &q.must_change_one
                         && result.rows_affected() != 1
                     {
                         let error = StoreError::Other(format!("{what} vanished during update"));
-                        return Err(Failed { at: done, error });
+                        let owner = q.owner;
+                        return Err(Failed {
+                            at: done,
+                            owner,
+                            error,
+                        });
                     }
                     done += 1;
                 }
@@ -190,7 +214,12 @@ impl Exec for Pipeline<'_> {
 
     fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<SqliteRow>>> {
         self.queue(s, None);
-        Box::pin(async move { self.send().await.map_err(|f| f.error) })
+        Box::pin(async move {
+            self.send().await.map_err(|f| {
+                self.failed_owner = Some(f.owner);
+                f.error
+            })
+        })
     }
 
     fn execute<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<()>> {

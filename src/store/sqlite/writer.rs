@@ -91,12 +91,12 @@ impl Batches for Writer {
             let mut guard = self.conn.lock().await;
             match guard.as_mut() {
                 Some(c) => self.run_batch(c, batch).await,
-                None => fail(
-                    batch.into_iter().map(|j| j.reply),
-                    &StoreError::Unavailable("the store is closed".into()),
-                ),
+                None => {
+                    let e = StoreError::Unavailable("the store is closed".into());
+                    fail(batch.into_iter().map(|j| j.reply), &e);
+                    Vec::new()
+                }
             }
-            Vec::new()
         })
     }
 
@@ -114,7 +114,8 @@ impl Batches for Writer {
 type Reply = tokio::sync::oneshot::Sender<Result<JobOutput>>;
 
 impl Writer {
-    async fn run_batch(&self, c: &mut Conn, batch: Vec<Job>) {
+    /// Run and answer `batch`; the jobs that did not run, to be queued again.
+    async fn run_batch(&self, c: &mut Conn, batch: Vec<Job>) -> Vec<Job> {
         if c.open {
             // Left open by a batch that never finished: nothing of it was answered.
             let _ = exec(&mut c.conn, "ROLLBACK").await;
@@ -123,6 +124,9 @@ impl Writer {
         let durable = batch.iter().any(|j| j.durable);
         let single = batch.len() == 1;
         let mut p = Pipeline::new(&mut c.conn, c.seq);
+        // The batch's own statements belong to no job: if they fail, every
+        // job is answered `busy`.
+        p.owner = usize::MAX;
         if c.full_sync != Some(durable) {
             p.queue_raw(sync_pragma(durable));
         }
@@ -137,12 +141,14 @@ impl Writer {
         let mut needs_sync = false;
         let mut committed = false;
         let mut savepoint_ready = false;
-        let mut jobs = batch.into_iter().peekable();
-        while let Some(job) = jobs.next() {
+        let mut jobs = batch.into_iter().enumerate().peekable();
+        while let Some((k, job)) = jobs.next() {
+            p.owner = k;
             if !single && !savepoint_ready {
                 p.queue_raw("SAVEPOINT job");
             }
             savepoint_ready = false;
+            p.failed_owner = None;
             let before = p.mark();
             let mut tx = SqlTx::new(&mut p, Some(&mut c.cache));
             // A job that panics fails alone; the writer lives on.
@@ -152,55 +158,78 @@ impl Writer {
                 .unwrap_or_else(|_| Err(StoreError::Other("a store job panicked".into())));
             let (job_effects, job_durable) = (tx.effects, tx.durable);
             let last = jobs.peek().is_none();
-            // Send what the job left queued: with the COMMIT after the
-            // last job, with the next job's savepoint after the others.
             let mut fatal = None;
-            let out = match out {
-                Ok(v) if p.len() > 0 || last => {
-                    let own = p.len();
-                    p.queue_raw(if last { "COMMIT" } else { "SAVEPOINT job" });
+            let out = match (out, p.failed_owner.take()) {
+                // A statement an earlier job queued failed in a send made for
+                // this job's read: that job cannot be undone alone any more.
+                (out, Some(j)) if j != k => {
+                    let e = out.err().unwrap_or(StoreError::Busy);
+                    fatal = Some((Some(j), e.clone()));
+                    Err(e)
+                }
+                // Its own statement failed, and it answered Ok all the same:
+                // what it queued after that statement never ran.
+                (Ok(_), Some(_)) => Err(StoreError::Other(
+                    "a statement of the job failed; nothing of it is kept".into(),
+                )),
+                // The COMMIT goes with the last job's statements (and the
+                // others', still queued); the next job's savepoint after the
+                // others.
+                (Ok(v), None) if last => {
+                    let commit_at = p.len();
+                    p.queue_raw("COMMIT");
                     match p.send().await {
                         Ok(_) => {
-                            committed = last;
-                            savepoint_ready = !last;
+                            committed = true;
                             Ok(v)
                         }
-                        Err(f) if f.at < own => Err(f.error),
+                        Err(f) if f.owner == k && f.at < commit_at => Err(f.error),
                         Err(f) => {
-                            fatal = Some(f.error);
+                            let culprit = (f.at < commit_at).then_some(f.owner);
+                            fatal = Some((culprit, f.error));
                             Ok(v)
                         }
                     }
                 }
-                out => out,
+                (Ok(v), None) => {
+                    if !single {
+                        p.owner = k + 1;
+                        p.queue_raw("SAVEPOINT job");
+                        savepoint_ready = true;
+                    }
+                    Ok(v)
+                }
+                (Err(e), _) => Err(e),
             };
-            if out.is_ok() {
-                effects.extend(job_effects);
-                needs_sync |= job_durable;
-            } else {
-                // The job's writes are undone: forget what it taught the cache.
-                c.cache.clear();
-                if p.undo_to(before) {
-                    // Nothing of the job reached SQLite: the BEGIN or
-                    // savepoint queued before it is still queued, for the next.
-                    savepoint_ready = !single;
-                    if single {
+            if fatal.is_none() {
+                if out.is_ok() {
+                    effects.extend(job_effects);
+                    needs_sync |= job_durable;
+                } else {
+                    // The job's writes are undone: forget what it taught the cache.
+                    c.cache.clear();
+                    if p.undo_to(before) {
+                        // Nothing of the job reached SQLite: what was queued
+                        // before it (BEGIN, earlier jobs, its savepoint) stays.
+                        savepoint_ready = !single;
+                        if single {
+                            c.open = false;
+                            let _ = job.reply.send(out);
+                            return Vec::new();
+                        }
+                    } else if single {
+                        // The job's own error is the answer, whether this
+                        // works or SQLite already rolled back.
+                        p.queue_raw("ROLLBACK");
+                        let _ = p.send().await;
                         c.open = false;
                         let _ = job.reply.send(out);
-                        return;
-                    }
-                } else if single {
-                    // The job's own error is the answer, whether this works
-                    // or SQLite already rolled back.
-                    p.queue_raw("ROLLBACK");
-                    let _ = p.send().await;
-                    c.open = false;
-                    let _ = job.reply.send(out);
-                    return;
-                } else {
-                    p.queue_raw("ROLLBACK TO job");
-                    if let Err(f) = p.send().await {
-                        fatal = Some(f.error);
+                        return Vec::new();
+                    } else {
+                        p.queue_raw("ROLLBACK TO job");
+                        if let Err(f) = p.send().await {
+                            fatal = Some((None, f.error));
+                        }
                     }
                 }
             }
@@ -208,18 +237,28 @@ impl Writer {
             // SQLite rolls the whole transaction back on some errors (disk
             // full, I/O): then nothing of this batch may be answered as done.
             if self.rolled_back.load(Ordering::SeqCst) && fatal.is_none() {
-                fatal = Some(StoreError::Unavailable(
-                    "the transaction was rolled back by the store".into(),
-                ));
+                let e =
+                    StoreError::Unavailable("the transaction was rolled back by the store".into());
+                fatal = Some((None, e));
             }
-            if let Some(e) = fatal {
+            if let Some((culprit, e)) = fatal {
                 c.cache.clear();
                 p.clear();
                 p.queue_raw("ROLLBACK");
                 let _ = p.send().await;
                 c.open = false;
-                let rest = jobs.map(|j| j.reply);
-                return fail(done.into_iter().map(|(r, _)| r).chain(rest), &e);
+                // A queued statement of one job failed after others had run
+                // with it: that job gets its error, the others, undone with
+                // it, `busy` (they may be retried), and those that did not
+                // run yet go back to the queue.
+                for (i, (reply, _)) in done.into_iter().enumerate() {
+                    let answer = match culprit {
+                        Some(j) if j != i => StoreError::Busy,
+                        _ => e.clone(),
+                    };
+                    let _ = reply.send(Err(answer));
+                }
+                return jobs.map(|(_, j)| j).collect();
             }
         }
         if !committed {
@@ -230,7 +269,8 @@ impl Writer {
                 p.queue_raw("ROLLBACK");
                 let _ = p.send().await;
                 c.open = false;
-                return fail(done.into_iter().map(|(r, _)| r), &f.error);
+                fail(done.into_iter().map(|(r, _)| r), &f.error);
+                return Vec::new();
             }
         }
         let seq = p.seq;
@@ -245,7 +285,8 @@ impl Writer {
                 // Committed and visible, only not known to be on disk: wake
                 // the waiters, but do not answer it as durable.
                 self.listener.committed(&effects);
-                return fail(done.into_iter().map(|(r, _)| r), &e);
+                fail(done.into_iter().map(|(r, _)| r), &e);
+                return Vec::new();
             }
         }
         if !effects.is_empty() {
@@ -254,6 +295,7 @@ impl Writer {
         for (reply, out) in done {
             let _ = reply.send(out);
         }
+        Vec::new()
     }
 
     async fn sync_wal(&self, c: &mut Conn) -> Result<()> {
@@ -390,8 +432,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_failed_job_is_undone_alone_however_it_fails_and_seqs_stay_gap_free() {
-        for then in [Then::FailUnsent, Then::FailSent, Then::Refused] {
+    async fn a_job_that_fails_in_rust_is_undone_alone_and_seqs_stay_gap_free() {
+        for then in [Then::FailUnsent, Then::FailSent] {
             let (w, mut c, _dir) = writer().await;
             let (a, a_rx) = job("a", Then::Succeed);
             let (b, b_rx) = job("b", then);
@@ -407,6 +449,28 @@ mod tests {
             assert!(!c.open, "the transaction ended");
             assert_eq!(c.seq, 2);
         }
+    }
+
+    /// A queued statement that SQLite refuses is found when it is sent,
+    /// after later jobs ran on top of it: the batch is undone, its job gets
+    /// the refusal, the others `busy`.
+    #[tokio::test]
+    async fn a_refused_statement_undoes_its_batch_and_only_its_job_gets_the_error() {
+        let (w, mut c, _dir) = writer().await;
+        let (a, a_rx) = job("a", Then::Succeed);
+        let (b, b_rx) = job("b", Then::Refused);
+        let (d, d_rx) = job("d", Then::Succeed);
+        let left = w.run_batch(&mut c, vec![a, b, d]).await;
+        assert!(left.is_empty());
+        assert!(matches!(seq_of(a_rx).await, Err(StoreError::Busy)));
+        assert!(matches!(seq_of(b_rx).await, Err(StoreError::Other(e)) if e.contains("UNIQUE")));
+        assert!(matches!(seq_of(d_rx).await, Err(StoreError::Busy)));
+        assert_eq!(kept(&mut c).await, (vec![], vec![]));
+        assert!(!c.open);
+        assert_eq!(c.seq, 0);
+        let (e, e_rx) = job("e", Then::Succeed);
+        w.run_batch(&mut c, vec![e]).await;
+        assert_eq!(seq_of(e_rx).await.expect("e"), 1);
     }
 
     #[tokio::test]
