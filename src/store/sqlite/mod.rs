@@ -142,9 +142,9 @@ impl SqlStore<Sqlite> {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
-            // The pipeline sends statements in many combinations, each one
-            // prepared query: keep them all prepared.
-            .statement_cache_capacity(4096);
+            // The pipeline's sends of lone requests come in a few hundred
+            // combinations of statements, each one prepared query.
+            .statement_cache_capacity(1024);
         let mut conn = SqliteConnection::connect_with(&writer_opts)
             .await
             .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;

@@ -17,11 +17,14 @@ use crate::store::db::{Arg, Exec, Stmt, query};
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
-/// A failed send: the queued statement that failed (an index into what
-/// was sent), the job that queued it, and why.
+/// Sends of up to this many statements stay prepared for the next time:
+/// the few combinations that lone requests make. A batch's send is nearly
+/// always a new combination, prepared for that once.
+const KEEP_PREPARED: usize = 8;
+
+/// A failed send: the job that queued the statement that failed, and why.
 #[derive(Debug)]
 pub struct Failed {
-    pub at: usize,
     pub owner: usize,
     pub error: StoreError,
 }
@@ -48,6 +51,9 @@ pub struct Pipeline<'c> {
     pub seq: i64,
     /// Sends so far.
     sends: u64,
+    /// Where the current job's statements begin, if it gets a savepoint
+    /// there when it first sends (see `begin_job`).
+    savepoint_at: Option<(Mark, usize)>,
 }
 
 /// The pipeline at one moment, to go back to.
@@ -102,7 +108,21 @@ impl<'c> Pipeline<'c> {
             failed_owner: None,
             seq,
             sends: 0,
+            savepoint_at: None,
         }
+    }
+
+    /// The statements queued from now on are job `owner`'s. With
+    /// `savepoint`, the first send that carries any of them first sets a
+    /// savepoint where they begin, so that the job can be undone alone
+    /// once SQLite has seen some of it. A job that sends nothing never gets
+    /// one: it is undone by forgetting what it queued (`undo_to`).
+    pub fn begin_job(&mut self, owner: usize, savepoint: bool) -> Mark {
+        self.owner = owner;
+        self.failed_owner = None;
+        let mark = self.mark();
+        self.savepoint_at = savepoint.then_some((mark, owner));
+        mark
     }
 
     pub fn mark(&self) -> Mark {
@@ -127,6 +147,7 @@ impl<'c> Pipeline<'c> {
         self.sql.truncate(mark.sql);
         self.args.truncate(mark.args);
         self.queued.truncate(mark.queued);
+        self.savepoint_at = None;
         true
     }
 
@@ -145,22 +166,29 @@ impl<'c> Pipeline<'c> {
         });
     }
 
-    /// How many statements are queued.
-    pub fn len(&self) -> usize {
-        self.queued.len()
-    }
-
     /// Forget what is queued.
     pub fn clear(&mut self) {
         self.sql.clear();
         self.args.clear();
         self.queued.clear();
+        self.savepoint_at = None;
     }
 
     /// Send everything queued as one query: the rows it returned.
     pub async fn send(&mut self) -> Result<Vec<SqliteRow>, Failed> {
         if self.queued.is_empty() {
             return Ok(Vec::new());
+        }
+        if let Some((at, owner)) = self.savepoint_at.take()
+            && at.sends == self.sends
+        {
+            // No parameters: those after it keep their numbers.
+            self.sql.insert_str(at.sql, "SAVEPOINT job;\n");
+            let job = Queued {
+                owner,
+                must_change_one: None,
+            };
+            self.queued.insert(at.queued, job);
         }
         let sql = std::mem::take(&mut self.sql);
         let args = std::mem::take(&mut self.args);
@@ -172,7 +200,9 @@ impl<'c> Pipeline<'c> {
         // SQLite runs several statements of one prepared query, each result
         // in turn, which is what this needs. Pinned by the tests below.
         #[allow(deprecated)]
-        let mut results = query::<Sqlite>(&sql, args).fetch_many(&mut *self.conn);
+        let mut results = query::<Sqlite>(&sql, args)
+            .persistent(queued.len() <= KEEP_PREPARED)
+            .fetch_many(&mut *self.conn);
         loop {
             let next = results.try_next().await;
             let item = match next {
@@ -180,7 +210,6 @@ impl<'c> Pipeline<'c> {
                 Ok(None) => break,
                 Err(e) => {
                     return Err(Failed {
-                        at: done,
                         owner: queued.get(done).map_or(self.owner, |q| q.owner),
                         error: map_err(e),
                     });
@@ -195,11 +224,7 @@ impl<'c> Pipeline<'c> {
                     {
                         let error = StoreError::Other(format!("{what} vanished during update"));
                         let owner = q.owner;
-                        return Err(Failed {
-                            at: done,
-                            owner,
-                            error,
-                        });
+                        return Err(Failed { owner, error });
                     }
                     done += 1;
                 }

@@ -113,6 +113,10 @@ impl Batches for Writer {
 
 type Reply = tokio::sync::oneshot::Sender<Result<JobOutput>>;
 
+/// The owner of the batch's own statements (BEGIN, COMMIT), which belong
+/// to no job: when one fails, every job gets its error.
+const BATCH: usize = usize::MAX;
+
 impl Writer {
     /// Run and answer `batch`; the jobs that did not run, to be queued again.
     async fn run_batch(&self, c: &mut Conn, batch: Vec<Job>) -> Vec<Job> {
@@ -124,9 +128,7 @@ impl Writer {
         let durable = batch.iter().any(|j| j.durable);
         let single = batch.len() == 1;
         let mut p = Pipeline::new(&mut c.conn, c.seq);
-        // The batch's own statements belong to no job: if they fail, every
-        // job is answered `busy`.
-        p.owner = usize::MAX;
+        p.owner = BATCH;
         if c.full_sync != Some(durable) {
             p.queue_raw(sync_pragma(durable));
         }
@@ -140,16 +142,9 @@ impl Writer {
         let mut effects = Vec::new();
         let mut needs_sync = false;
         let mut committed = false;
-        let mut savepoint_ready = false;
         let mut jobs = batch.into_iter().enumerate().peekable();
         while let Some((k, job)) = jobs.next() {
-            p.owner = k;
-            if !single && !savepoint_ready {
-                p.queue_raw("SAVEPOINT job");
-            }
-            savepoint_ready = false;
-            p.failed_owner = None;
-            let before = p.mark();
+            let before = p.begin_job(k, !single);
             let mut tx = SqlTx::new(&mut p, Some(&mut c.cache));
             // A job that panics fails alone; the writer lives on.
             let out = std::panic::AssertUnwindSafe((job.run)(&mut tx))
@@ -173,32 +168,24 @@ impl Writer {
                     "a statement of the job failed; nothing of it is kept".into(),
                 )),
                 // The COMMIT goes with the last job's statements (and the
-                // others', still queued); the next job's savepoint after the
-                // others.
+                // others', still queued).
                 (Ok(v), None) if last => {
-                    let commit_at = p.len();
+                    p.owner = BATCH;
                     p.queue_raw("COMMIT");
                     match p.send().await {
                         Ok(_) => {
                             committed = true;
                             Ok(v)
                         }
-                        Err(f) if f.owner == k && f.at < commit_at => Err(f.error),
+                        Err(f) if f.owner == k => Err(f.error),
                         Err(f) => {
-                            let culprit = (f.at < commit_at).then_some(f.owner);
+                            let culprit = (f.owner != BATCH).then_some(f.owner);
                             fatal = Some((culprit, f.error));
                             Ok(v)
                         }
                     }
                 }
-                (Ok(v), None) => {
-                    if !single {
-                        p.owner = k + 1;
-                        p.queue_raw("SAVEPOINT job");
-                        savepoint_ready = true;
-                    }
-                    Ok(v)
-                }
+                (Ok(v), None) => Ok(v),
                 (Err(e), _) => Err(e),
             };
             if fatal.is_none() {
@@ -210,8 +197,7 @@ impl Writer {
                     c.cache.clear();
                     if p.undo_to(before) {
                         // Nothing of the job reached SQLite: what was queued
-                        // before it (BEGIN, earlier jobs, its savepoint) stays.
-                        savepoint_ready = !single;
+                        // before it (BEGIN, earlier jobs) stays.
                         if single {
                             c.open = false;
                             let _ = job.reply.send(out);
