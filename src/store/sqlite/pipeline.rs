@@ -18,9 +18,15 @@ use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
 /// Sends of up to this many statements stay prepared for the next time:
-/// the few combinations that lone requests make. A batch's send is nearly
-/// always a new combination, prepared for that once.
+/// the few combinations that lone requests make. A larger send stays
+/// prepared only when its jobs' statements are all one text (a batch of
+/// renewals: the same query whenever the batch is that size); a mix is
+/// nearly always a new combination, prepared for that once.
 const KEEP_PREPARED: usize = 8;
+
+/// The owner of a batch's own statements (BEGIN, COMMIT), which belong to
+/// no job: when one fails, every job gets its error.
+pub const BATCH: usize = usize::MAX;
 
 /// A failed send: the job that queued the statement that failed, and why.
 #[derive(Debug)]
@@ -51,6 +57,10 @@ pub struct Pipeline<'c> {
     pub seq: i64,
     /// Sends so far.
     sends: u64,
+    /// The text of the first job statement queued, and whether another
+    /// text was queued since.
+    first_text: Option<String>,
+    mixed: bool,
     /// Where the current job's statements begin, if it gets a savepoint
     /// there when it first sends (see `begin_job`).
     savepoint_at: Option<(Mark, usize)>,
@@ -108,6 +118,8 @@ impl<'c> Pipeline<'c> {
             failed_owner: None,
             seq,
             sends: 0,
+            first_text: None,
+            mixed: false,
             savepoint_at: None,
         }
     }
@@ -157,6 +169,12 @@ impl<'c> Pipeline<'c> {
     }
 
     fn queue(&mut self, s: Stmt<'_>, must_change_one: Option<String>) {
+        if self.owner != BATCH {
+            match &self.first_text {
+                None => self.first_text = Some(s.sql.to_owned()),
+                Some(first) => self.mixed |= first != s.sql,
+            }
+        }
         self.sql.push_str(&shift(s.sql, self.args.len()));
         self.sql.push_str(";\n");
         self.args.extend(s.args.into_iter().map(owned));
@@ -172,6 +190,8 @@ impl<'c> Pipeline<'c> {
         self.args.clear();
         self.queued.clear();
         self.savepoint_at = None;
+        self.first_text = None;
+        self.mixed = false;
     }
 
     /// Send everything queued as one query: the rows it returned.
@@ -193,6 +213,9 @@ impl<'c> Pipeline<'c> {
         let sql = std::mem::take(&mut self.sql);
         let args = std::mem::take(&mut self.args);
         let queued = std::mem::take(&mut self.queued);
+        let keep = queued.len() <= KEEP_PREPARED || !self.mixed;
+        self.first_text = None;
+        self.mixed = false;
         self.sends += 1;
         let mut rows = Vec::new();
         let mut done = 0;
@@ -201,7 +224,7 @@ impl<'c> Pipeline<'c> {
         // in turn, which is what this needs. Pinned by the tests below.
         #[allow(deprecated)]
         let mut results = query::<Sqlite>(&sql, args)
-            .persistent(queued.len() <= KEEP_PREPARED)
+            .persistent(keep)
             .fetch_many(&mut *self.conn);
         loop {
             let next = results.try_next().await;

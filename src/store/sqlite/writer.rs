@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use futures_util::FutureExt;
 use sqlx::SqliteConnection;
 
-use super::pipeline::Pipeline;
+use super::pipeline::{BATCH, Pipeline};
 use crate::store::cache::Cache;
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
@@ -112,10 +112,6 @@ impl Batches for Writer {
 }
 
 type Reply = tokio::sync::oneshot::Sender<Result<JobOutput>>;
-
-/// The owner of the batch's own statements (BEGIN, COMMIT), which belong
-/// to no job: when one fails, every job gets its error.
-const BATCH: usize = usize::MAX;
 
 impl Writer {
     /// Run and answer `batch`; the jobs that did not run, to be queued again.
