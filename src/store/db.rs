@@ -6,6 +6,7 @@
 use sqlx::Database;
 
 use super::{BoxFuture, Result, StoreError};
+use crate::model::LeaseRecord;
 use crate::time::Millis;
 
 /// A parameter value, as every statement of the stores binds it.
@@ -97,6 +98,22 @@ pub trait Exec: Send {
     fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>>;
     /// The last seq handed out (which retention never lowers).
     fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>>;
+
+    /// Insert (`new`) or update the lease `l`.
+    fn put_lease<'a>(&'a mut self, l: &'a LeaseRecord, new: bool) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            if new {
+                super::rows::insert_lease(self, l).await
+            } else {
+                super::rows::update_lease(self, l).await
+            }
+        })
+    }
+
+    /// Record `token` as the last of `resource`, when the caller counted it.
+    fn put_token<'a>(&'a mut self, resource: &'a str, token: i64) -> BoxFuture<'a, Result<()>> {
+        Box::pin(super::rows::set_token(self, resource, token))
+    }
 }
 
 /// One of the two databases.

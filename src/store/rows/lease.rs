@@ -78,6 +78,28 @@ pub async fn set_token<E: Exec + ?Sized>(c: &mut E, resource: &str, token: i64) 
     c.execute(s.text(resource).int(token)).await
 }
 
+/// The columns of `l`, in the order of `lease_cols!`, as JSON values.
+pub fn lease_values(l: &LeaseRecord) -> Result<serde_json::Value> {
+    Ok(serde_json::json!([
+        l.id,
+        l.resource,
+        l.token,
+        l.holder,
+        l.state.as_str(),
+        l.owner.as_ref().map(to_json).transpose()?,
+        l.parent.as_ref().map(|p| p.id.as_str()),
+        l.parent.as_ref().map(|p| p.resource.as_str()),
+        l.parent.as_ref().map(|p| p.token),
+        l.ttl_ms,
+        l.expires_at,
+        l.acquired_at,
+        l.renewed_at,
+        l.ended_at,
+        l.end_reason,
+        to_json(&l.metadata)?,
+    ]))
+}
+
 pub async fn insert_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
     const SQL: &str = concat!(
         "INSERT INTO leases (",

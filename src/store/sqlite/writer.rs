@@ -165,22 +165,18 @@ impl Writer {
                 )),
                 // The COMMIT goes with the last job's statements (and the
                 // others', still queued).
-                (Ok(v), None) if last => {
-                    p.owner = BATCH;
-                    p.queue_raw("COMMIT");
-                    match p.send().await {
-                        Ok(_) => {
-                            committed = true;
-                            Ok(v)
-                        }
-                        Err(f) if f.owner == k => Err(f.error),
-                        Err(f) => {
-                            let culprit = (f.owner != BATCH).then_some(f.owner);
-                            fatal = Some((culprit, f.error));
-                            Ok(v)
-                        }
+                (Ok(v), None) if last => match p.finish("COMMIT").await {
+                    Ok(_) => {
+                        committed = true;
+                        Ok(v)
                     }
-                }
+                    Err(f) if f.owner == k => Err(f.error),
+                    Err(f) => {
+                        let culprit = (f.owner != BATCH).then_some(f.owner);
+                        fatal = Some((culprit, f.error));
+                        Ok(v)
+                    }
+                },
                 (Ok(v), None) => Ok(v),
                 (Err(e), _) => Err(e),
             };
@@ -245,8 +241,7 @@ impl Writer {
         }
         if !committed {
             // The last job failed and was undone: commit the others.
-            p.queue_raw("COMMIT");
-            if let Err(f) = p.send().await {
+            if let Err(f) = p.finish("COMMIT").await {
                 c.cache.clear();
                 p.queue_raw("ROLLBACK");
                 let _ = p.send().await;
@@ -286,8 +281,7 @@ impl Writer {
         p.queue_raw("BEGIN IMMEDIATE");
         let now = crate::time::now_ms().to_string();
         crate::store::rows::set_meta(&mut p, "synced_at", &now).await?;
-        p.queue_raw("COMMIT");
-        match p.send().await {
+        match p.finish("COMMIT").await {
             Ok(_) => {
                 c.full_sync = Some(true);
                 Ok(())
@@ -551,5 +545,98 @@ mod tests {
         .await
         .expect("leases");
         assert_eq!(current, ["r-1", "s-1"]);
+    }
+
+    fn lease(
+        id: &str,
+        resource: &str,
+        state: crate::model::LeaseState,
+    ) -> crate::model::LeaseRecord {
+        crate::model::LeaseRecord {
+            id: id.into(),
+            resource: resource.into(),
+            token: 1,
+            holder: "h".into(),
+            state,
+            owner: None,
+            parent: None,
+            ttl_ms: Some(1000),
+            expires_at: Some(1000),
+            acquired_at: 0,
+            renewed_at: None,
+            ended_at: None,
+            end_reason: None,
+            metadata: Default::default(),
+        }
+    }
+
+    /// A job that writes `leases` (inserting those marked new), then reads
+    /// (so that it sends) and fails, when `fail`.
+    fn writes(leases: Vec<(crate::model::LeaseRecord, bool)>, fail: bool) -> (Job, Answer) {
+        let (reply, rx) = oneshot::channel();
+        let run: JobFn = Box::new(move |tx: &mut dyn Tx| {
+            Box::pin(async move {
+                for (l, new) in &leases {
+                    if *new {
+                        tx.insert_lease(l).await?;
+                    } else {
+                        tx.update_lease(l).await?;
+                    }
+                }
+                if fail {
+                    tx.process("none").await?;
+                    return Err(StoreError::Other("failed".into()));
+                }
+                Ok(Box::new(0_i64) as JobOutput)
+            })
+        });
+        let job = Job {
+            durable: true,
+            run,
+            reply,
+        };
+        (job, rx)
+    }
+
+    async fn states(c: &mut Conn) -> Vec<(String, String, Option<i64>)> {
+        sqlx::query_as("SELECT id, state, expires_at FROM leases ORDER BY id")
+            .fetch_all(&mut c.conn)
+            .await
+            .expect("leases")
+    }
+
+    #[tokio::test]
+    async fn grouped_lease_writes_keep_their_meaning_in_one_batch() {
+        use crate::model::LeaseState::{Active, Released};
+        let (w, mut c, _dir) = writer().await;
+        let (a, a_rx) = writes(vec![(lease("l1", "r", Active), true)], false);
+        w.run_batch(&mut c, vec![a]).await;
+        seq_of(a_rx).await.expect("a");
+
+        let mut renewed = lease("l1", "r", Active);
+        renewed.expires_at = Some(2000);
+        let mut twice = lease("l3", "q", Active);
+        let inserted = twice.clone();
+        twice.expires_at = Some(3000);
+        // l1 renewed, then released by another job, and r taken by a third;
+        // l3 inserted and updated by one job; a failing job in between.
+        let (b, b_rx) = writes(vec![(renewed, false)], false);
+        let (d, d_rx) = writes(vec![(lease("l1", "r", Released), false)], false);
+        let (e, e_rx) = writes(vec![(lease("x", "x", Active), true)], true);
+        let (f, f_rx) = writes(vec![(lease("l2", "r", Active), true)], false);
+        let (g, g_rx) = writes(vec![(inserted, true), (twice, false)], false);
+        w.run_batch(&mut c, vec![b, d, e, f, g]).await;
+        for rx in [b_rx, d_rx, f_rx, g_rx] {
+            seq_of(rx).await.expect("kept");
+        }
+        assert!(seq_of(e_rx).await.is_err());
+        assert_eq!(
+            states(&mut c).await,
+            [
+                ("l1".into(), "released".into(), Some(1000)),
+                ("l2".into(), "active".into(), Some(1000)),
+                ("l3".into(), "active".into(), Some(3000)),
+            ]
+        );
     }
 }
