@@ -49,26 +49,51 @@ const EVENTS: usize = 2;
 const TOKENS: usize = 3;
 const KINDS: [usize; 4] = [LEASE_UPDATES, LEASE_INSERTS, EVENTS, TOKENS];
 const GROUP_SQL: [&str; 4] = [
-    // The last row of each lease is its state now.
-    "UPDATE leases SET (state, owner, ttl_ms, expires_at, renewed_at, ended_at, end_reason) = \
-     (SELECT j.value->>1, j.value->>2, j.value->>3, j.value->>4, j.value->>5, j.value->>6, \
-     j.value->>7 FROM json_each($1) AS j WHERE j.value->>0 = leases.id \
-     ORDER BY j.key DESC LIMIT 1) \
-     WHERE id IN (SELECT j.value->>0 FROM json_each($1) AS j)",
+    // One row per lease (see `group_item`), so the join is one to one.
+    "UPDATE leases SET state = j.value->>1, owner = j.value->>2, ttl_ms = j.value->>3, \
+     expires_at = j.value->>4, renewed_at = j.value->>5, ended_at = j.value->>6, \
+     end_reason = j.value->>7 FROM json_each($1) AS j WHERE leases.id = j.value->>0",
+    // json_each walks the array in order.
     concat!(
         "INSERT INTO leases (",
         lease_cols!(),
         ") SELECT j.value->>0, j.value->>1, j.value->>2, j.value->>3, j.value->>4, \
          j.value->>5, j.value->>6, j.value->>7, j.value->>8, j.value->>9, j.value->>10, \
          j.value->>11, j.value->>12, j.value->>13, j.value->>14, j.value->>15 \
-         FROM json_each($1) AS j ORDER BY j.key"
+         FROM json_each($1) AS j"
     ),
     "INSERT INTO events (seq, at, body) SELECT j.value->>0, j.value->>1, j.value->>2 \
-     FROM json_each($1) AS j ORDER BY j.key",
+     FROM json_each($1) AS j",
+    // One row per resource (see `group_item`).
     "INSERT INTO resources (resource, last_token) SELECT j.value->>0, j.value->>1 \
-     FROM json_each($1) AS j WHERE true ORDER BY j.key \
+     FROM json_each($1) AS j WHERE true \
      ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token",
 ];
+
+/// The same, for a single row, whose values are its parameters: a lone
+/// request's write costs no JSON.
+const ONE_ROW_SQL: [&str; 4] = [
+    "UPDATE leases SET state = $2, owner = $3, ttl_ms = $4, expires_at = $5, renewed_at = $6, \
+     ended_at = $7, end_reason = $8 WHERE id = $1",
+    concat!(
+        "INSERT INTO leases (",
+        lease_cols!(),
+        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
+    ),
+    "INSERT INTO events (seq, at, body) VALUES ($1, $2, $3)",
+    "INSERT INTO resources (resource, last_token) VALUES ($1, $2) \
+     ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token",
+];
+
+/// A JSON value of a row, as a parameter.
+fn arg(v: Value) -> Arg<'static> {
+    match v {
+        Value::String(s) => Arg::Owned(Some(s)),
+        Value::Number(n) => Arg::Int(n.as_i64()),
+        Value::Bool(b) => Arg::Bool(b),
+        _ => Arg::Int(None),
+    }
+}
 
 /// A failed send: the job that queued the statement that failed, and why.
 #[derive(Debug)]
@@ -165,7 +190,21 @@ fn update_values(row: &Value) -> Value {
     ])
 }
 
-/// One statement writing `rows` of `kind`.
+/// Of rows keyed by their first value, the last of each key, in order.
+fn last_of_each(rows: Vec<(usize, Value)>) -> Vec<(usize, Value)> {
+    let mut last = std::collections::HashMap::new();
+    for (i, (_, r)) in rows.iter().enumerate() {
+        last.insert(r[0].to_string(), i);
+    }
+    rows.into_iter()
+        .enumerate()
+        .filter(|(i, (_, r))| last.get(&r[0].to_string()) == Some(i))
+        .map(|(_, row)| row)
+        .collect()
+}
+
+/// One statement writing `rows` of `kind`. A lease updated twice, or a
+/// counter set twice, needs only its last row: each row is the whole state.
 fn group_item(kind: usize, rows: Vec<(usize, Value)>) -> Item {
     let first = rows.first().map_or(BATCH, |r| r.0);
     let owner = if rows.iter().all(|r| r.0 == first) {
@@ -173,14 +212,27 @@ fn group_item(kind: usize, rows: Vec<(usize, Value)>) -> Item {
     } else {
         BATCH
     };
-    let must_change = (kind == LEASE_UPDATES).then(|| {
-        let ids: std::collections::HashSet<&Value> = rows.iter().map(|r| &r.1[0]).collect();
-        (ids.len() as u64, "a lease".to_owned())
-    });
-    let array = Value::Array(rows.into_iter().map(|r| r.1).collect());
+    let rows = match kind {
+        LEASE_UPDATES | TOKENS => last_of_each(rows),
+        _ => rows,
+    };
+    let must_change = (kind == LEASE_UPDATES).then(|| (rows.len() as u64, "a lease".to_owned()));
+    let (sql, args) = match <[_; 1]>::try_from(rows) {
+        Ok([(_, Value::Array(values))]) => {
+            (ONE_ROW_SQL[kind], values.into_iter().map(arg).collect())
+        }
+        Ok([(_, other)]) => (
+            GROUP_SQL[kind],
+            vec![Arg::Owned(Some(json!([other]).to_string()))],
+        ),
+        Err(rows) => {
+            let array = Value::Array(rows.into_iter().map(|r| r.1).collect());
+            (GROUP_SQL[kind], vec![Arg::Owned(Some(array.to_string()))])
+        }
+    };
     Item {
-        sql: Cow::Borrowed(GROUP_SQL[kind]),
-        args: vec![Arg::Owned(Some(array.to_string()))],
+        sql: Cow::Borrowed(sql),
+        args,
         owner,
         must_change,
     }
