@@ -1290,8 +1290,6 @@ mod a_job_answered_ok_keeps_its_writes_though_a_statement_failed {
     }
 
     #[tokio::test]
-    #[ignore = "a discrepancy: on PostgreSQL the failed statement aborts the transaction, \
-                COMMIT then rolls it back, and the writer still answers Ok"]
     async fn postgres() {
         run(
             Store::Postgres,

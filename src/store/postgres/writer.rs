@@ -18,11 +18,13 @@ use futures_util::FutureExt;
 use sqlx::{PgConnection, PgPool};
 
 use super::map_err;
-use crate::store::db::conn_err;
+use crate::store::db::{Exec, Stmt, conn_err};
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
 use crate::store::sql_tx::SqlTx;
 use crate::store::{BoxFuture, CommitListener, Effect, Result, StoreError};
+use crate::time::Millis;
+use sqlx::postgres::PgRow;
 
 struct Writer {
     pool: PgPool,
@@ -72,6 +74,58 @@ impl Batches for Writer {
     }
 }
 
+/// A connection that notes whether any statement on it failed.
+struct Tracked<'c> {
+    conn: &'c mut PgConnection,
+    failed: bool,
+}
+
+impl Tracked<'_> {
+    fn note<T>(&mut self, out: Result<T>) -> Result<T> {
+        self.failed |= out.is_err();
+        out
+    }
+}
+
+impl Exec for Tracked<'_> {
+    type Row = PgRow;
+
+    fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<PgRow>>> {
+        Box::pin(async move {
+            let out = self.conn.fetch(s).await;
+            self.note(out)
+        })
+    }
+
+    fn execute<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let out = self.conn.execute(s).await;
+            self.note(out)
+        })
+    }
+
+    fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let out = self.conn.execute_one(s, what).await;
+            self.note(out)
+        })
+    }
+
+    fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
+        Box::pin(async move {
+            let out = self.conn.append_event(at, body).await;
+            self.note(out)
+        })
+    }
+
+    fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>> {
+        Box::pin(async move {
+            let out = self.conn.last_event_seq().await;
+            self.note(out)
+        })
+    }
+}
+
 impl Writer {
     /// Run `batch`; the jobs that did not run, to be queued again.
     async fn run_batch(&self, batch: Vec<Job>) -> Vec<Job> {
@@ -93,12 +147,24 @@ impl Writer {
         let mut effects = Vec::new();
         let mut jobs = batch.into_iter();
         while let Some(job) = jobs.next() {
-            let mut tx = SqlTx::new(&mut *conn, None);
+            let mut tracked = Tracked {
+                conn: &mut conn,
+                failed: false,
+            };
+            let mut tx = SqlTx::new(&mut tracked, None);
             let out = std::panic::AssertUnwindSafe((job.run)(&mut tx))
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|_| Err(StoreError::Other("a store job panicked".into())));
             let job_effects = tx.effects;
+            // A failed statement aborts the whole PostgreSQL transaction: a
+            // job that went on and answered Ok lost its writes all the same.
+            let out = match out {
+                Ok(_) if tracked.failed => Err(StoreError::Other(
+                    "a statement of the job failed; nothing of it is kept".into(),
+                )),
+                out => out,
+            };
             match out {
                 Ok(v) => {
                     effects.extend(job_effects);
