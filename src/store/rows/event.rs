@@ -5,6 +5,9 @@ use crate::store::Result;
 use crate::store::db::{Cols, Exec, Stmt, scalar};
 use crate::time::Millis;
 
+/// Appends an event under a seq its writer chose: `$1` seq, `$2` at, `$3` body.
+pub const INSERT_EVENT: &str = "INSERT INTO events (seq, at, body) VALUES ($1, $2, $3)";
+
 pub async fn events<E: Exec + ?Sized>(c: &mut E, after: i64, limit: u32) -> Result<Vec<EventRow>> {
     let s = Stmt::new("SELECT seq, body FROM events WHERE seq > $1 ORDER BY seq LIMIT $2")
         .int(after)

@@ -69,44 +69,30 @@ pub async fn next_token<E: Exec + ?Sized>(c: &mut E, resource: &str) -> Result<i
         .ok_or_else(|| StoreError::Other("no token was returned".into()))
 }
 
+/// Sets a resource's last token: `$1` the resource, `$2` the token.
+pub const SET_TOKEN: &str = "INSERT INTO resources (resource, last_token) VALUES ($1, $2) \
+     ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token";
+
 /// Record `token` as the last of `resource`, when the caller counted it.
 pub async fn set_token<E: Exec + ?Sized>(c: &mut E, resource: &str, token: i64) -> Result<()> {
-    let s = Stmt::new(
-        "INSERT INTO resources (resource, last_token) VALUES ($1, $2) \
-         ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token",
-    );
-    c.execute(s.text(resource).int(token)).await
+    c.execute(Stmt::new(SET_TOKEN).text(resource).int(token))
+        .await
 }
 
-/// The columns of `l`, in the order of `lease_cols!`, as JSON values.
-pub fn lease_values(l: &LeaseRecord) -> Result<serde_json::Value> {
-    Ok(serde_json::json!([
-        l.id,
-        l.resource,
-        l.token,
-        l.holder,
-        l.state.as_str(),
-        l.owner.as_ref().map(to_json).transpose()?,
-        l.parent.as_ref().map(|p| p.id.as_str()),
-        l.parent.as_ref().map(|p| p.resource.as_str()),
-        l.parent.as_ref().map(|p| p.token),
-        l.ttl_ms,
-        l.expires_at,
-        l.acquired_at,
-        l.renewed_at,
-        l.ended_at,
-        l.end_reason,
-        to_json(&l.metadata)?,
-    ]))
-}
+/// Inserts a lease: `$1`.. its columns in the order of `lease_cols!`.
+pub const INSERT_LEASE: &str = concat!(
+    "INSERT INTO leases (",
+    lease_cols!(),
+    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
+);
 
-pub async fn insert_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
-    const SQL: &str = concat!(
-        "INSERT INTO leases (",
-        lease_cols!(),
-        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
-    );
-    let s = Stmt::new(SQL)
+/// Updates a lease: `$1` its id, then the columns that change.
+pub const UPDATE_LEASE: &str = "UPDATE leases SET state = $2, owner = $3, ttl_ms = $4, \
+     expires_at = $5, renewed_at = $6, ended_at = $7, end_reason = $8 WHERE id = $1";
+
+/// `INSERT_LEASE` for `l`.
+pub fn insert_lease_stmt(l: &LeaseRecord) -> Result<Stmt<'_>> {
+    Ok(Stmt::new(INSERT_LEASE)
         .text(&l.id)
         .text(&l.resource)
         .int(l.token)
@@ -122,24 +108,29 @@ pub async fn insert_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Resul
         .opt_int(l.renewed_at)
         .opt_int(l.ended_at)
         .opt_text(l.end_reason.as_deref())
-        .owned(Some(to_json(&l.metadata)?));
-    c.execute(s).await
+        .owned(Some(to_json(&l.metadata)?)))
+}
+
+/// `UPDATE_LEASE` for `l`.
+pub fn update_lease_stmt(l: &LeaseRecord) -> Result<Stmt<'_>> {
+    Ok(Stmt::new(UPDATE_LEASE)
+        .text(&l.id)
+        .text(l.state.as_str())
+        .owned(l.owner.as_ref().map(to_json).transpose()?)
+        .opt_int(l.ttl_ms)
+        .opt_int(l.expires_at)
+        .opt_int(l.renewed_at)
+        .opt_int(l.ended_at)
+        .opt_text(l.end_reason.as_deref()))
+}
+
+pub async fn insert_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
+    c.execute(insert_lease_stmt(l)?).await
 }
 
 pub async fn update_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
-    let s = Stmt::new(
-        "UPDATE leases SET state = $1, owner = $2, ttl_ms = $3, expires_at = $4, \
-         renewed_at = $5, ended_at = $6, end_reason = $7 WHERE id = $8",
-    )
-    .text(l.state.as_str())
-    .owned(l.owner.as_ref().map(to_json).transpose()?)
-    .opt_int(l.ttl_ms)
-    .opt_int(l.expires_at)
-    .opt_int(l.renewed_at)
-    .opt_int(l.ended_at)
-    .opt_text(l.end_reason.as_deref())
-    .text(&l.id);
-    c.execute_one(s, format!("lease {}", l.id)).await
+    c.execute_one(update_lease_stmt(l)?, format!("lease {}", l.id))
+        .await
 }
 
 pub async fn list_leases<E: Exec + ?Sized>(c: &mut E, f: &LeaseFilter) -> Result<Vec<LeaseRecord>> {

@@ -25,7 +25,9 @@ use sqlx::{Either, Sqlite, SqliteConnection};
 use super::map_err;
 use crate::model::LeaseRecord;
 use crate::store::db::{Arg, Exec, Stmt, query};
-use crate::store::rows::lease_values;
+use crate::store::rows::{
+    INSERT_EVENT, INSERT_LEASE, SET_TOKEN, UPDATE_LEASE, insert_lease_stmt, update_lease_stmt,
+};
 use crate::store::sql::lease_cols;
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
@@ -70,30 +72,9 @@ const GROUP_SQL: [&str; 4] = [
      ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token",
 ];
 
-/// The same, for a single row, whose values are its parameters: a lone
-/// request's write costs no JSON.
-const ONE_ROW_SQL: [&str; 4] = [
-    "UPDATE leases SET state = $2, owner = $3, ttl_ms = $4, expires_at = $5, renewed_at = $6, \
-     ended_at = $7, end_reason = $8 WHERE id = $1",
-    concat!(
-        "INSERT INTO leases (",
-        lease_cols!(),
-        ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
-    ),
-    "INSERT INTO events (seq, at, body) VALUES ($1, $2, $3)",
-    "INSERT INTO resources (resource, last_token) VALUES ($1, $2) \
-     ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token",
-];
-
-/// A JSON value of a row, as a parameter.
-fn arg(v: Value) -> Arg<'static> {
-    match v {
-        Value::String(s) => Arg::Owned(Some(s)),
-        Value::Number(n) => Arg::Int(n.as_i64()),
-        Value::Bool(b) => Arg::Bool(b),
-        _ => Arg::Int(None),
-    }
-}
+/// The same, for a single row, whose values are the statement's
+/// parameters: a lone request's write costs no JSON.
+const ONE_ROW_SQL: [&str; 4] = [UPDATE_LEASE, INSERT_LEASE, INSERT_EVENT, SET_TOKEN];
 
 /// A failed send: the job that queued the statement that failed, and why.
 #[derive(Debug)]
@@ -183,11 +164,30 @@ fn owned(a: Arg<'_>) -> Arg<'static> {
     }
 }
 
-/// The columns an update writes, from a lease's row: id first.
-fn update_values(row: &Value) -> Value {
-    json!([
-        row[0], row[4], row[5], row[9], row[10], row[12], row[13], row[14]
-    ])
+/// A statement's parameters as a JSON row, for a grouped statement.
+fn json_row(s: Stmt<'_>) -> Value {
+    let value = |a: Arg<'_>| match a {
+        Arg::Text(v) => json!(v),
+        Arg::Owned(v) => json!(v),
+        Arg::Int(v) => json!(v),
+        Arg::Bool(v) => json!(v),
+    };
+    Value::Array(s.args.into_iter().map(value).collect())
+}
+
+/// A JSON row as the parameters of the one-row statement. SQLite's NULL
+/// has no type, so a null needs none either.
+fn row_args(row: Value) -> Vec<Arg<'static>> {
+    let arg = |v: Value| match v {
+        Value::String(s) => Arg::Owned(Some(s)),
+        Value::Number(n) => Arg::Int(n.as_i64()),
+        Value::Bool(b) => Arg::Bool(b),
+        _ => Arg::Int(None),
+    };
+    match row {
+        Value::Array(values) => values.into_iter().map(arg).collect(),
+        one => vec![arg(one)],
+    }
 }
 
 /// Of rows keyed by their first value, the last of each key, in order.
@@ -218,13 +218,7 @@ fn group_item(kind: usize, rows: Vec<(usize, Value)>) -> Item {
     };
     let must_change = (kind == LEASE_UPDATES).then(|| (rows.len() as u64, "a lease".to_owned()));
     let (sql, args) = match <[_; 1]>::try_from(rows) {
-        Ok([(_, Value::Array(values))]) => {
-            (ONE_ROW_SQL[kind], values.into_iter().map(arg).collect())
-        }
-        Ok([(_, other)]) => (
-            GROUP_SQL[kind],
-            vec![Arg::Owned(Some(json!([other]).to_string()))],
-        ),
+        Ok([(_, row)]) => (ONE_ROW_SQL[kind], row_args(row)),
         Err(rows) => {
             let array = Value::Array(rows.into_iter().map(|r| r.1).collect());
             (GROUP_SQL[kind], vec![Arg::Owned(Some(array.to_string()))])
@@ -434,7 +428,7 @@ impl<'c> Pipeline<'c> {
     /// changes that insert's row instead (when the same job queued it), or
     /// first turns what is queued into statements.
     fn group_lease(&mut self, l: &LeaseRecord, new: bool) -> Result<()> {
-        let row = lease_values(l)?;
+        let row = json_row(insert_lease_stmt(l)?);
         if new {
             self.group(LEASE_INSERTS, row);
             return Ok(());
@@ -448,9 +442,9 @@ impl<'c> Pipeline<'c> {
             Some((o, r)) if *o == owner => *r = row,
             Some(_) => {
                 self.place(&KINDS);
-                self.group(LEASE_UPDATES, update_values(&row));
+                self.group(LEASE_UPDATES, json_row(update_lease_stmt(l)?));
             }
-            None => self.group(LEASE_UPDATES, update_values(&row)),
+            None => self.group(LEASE_UPDATES, json_row(update_lease_stmt(l)?)),
         }
         Ok(())
     }
