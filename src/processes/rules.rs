@@ -70,20 +70,8 @@ mod tests {
 
     fn lease(state: LeaseState, token: i64) -> LeaseRecord {
         LeaseRecord {
-            id: "l".into(),
-            resource: "r".into(),
             token,
-            holder: "h".into(),
-            state,
-            owner: None,
-            parent: None,
-            ttl_ms: None,
-            expires_at: None,
-            acquired_at: 0,
-            renewed_at: None,
-            ended_at: None,
-            end_reason: None,
-            metadata: Default::default(),
+            ..crate::tx::fixture::lease_record("l", "r", state)
         }
     }
 

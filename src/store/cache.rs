@@ -129,24 +129,7 @@ mod tests {
     use super::*;
     use crate::model::{LeaseState, PortOwner, TokenRef};
 
-    fn lease(id: &str, resource: &str, state: LeaseState) -> LeaseRecord {
-        LeaseRecord {
-            id: id.into(),
-            resource: resource.into(),
-            token: 1,
-            holder: "h".into(),
-            state,
-            owner: None,
-            parent: None,
-            ttl_ms: Some(1000),
-            expires_at: Some(1000),
-            acquired_at: 0,
-            renewed_at: None,
-            ended_at: None,
-            end_reason: None,
-            metadata: Default::default(),
-        }
-    }
+    use crate::tx::fixture::lease_record as lease;
 
     #[test]
     fn a_lease_that_ends_leaves_its_resource_known_free() {

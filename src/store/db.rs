@@ -6,7 +6,6 @@
 use sqlx::Database;
 
 use super::{BoxFuture, Result, StoreError};
-use crate::model::LeaseRecord;
 use crate::time::Millis;
 
 /// A parameter value, as every statement of the stores binds it.
@@ -99,21 +98,31 @@ pub trait Exec: Send {
     /// The last seq handed out (which retention never lowers).
     fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>>;
 
-    /// Insert (`new`) or update the lease `l`.
-    fn put_lease<'a>(&'a mut self, l: &'a LeaseRecord, new: bool) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            if new {
-                super::rows::insert_lease(self, l).await
-            } else {
-                super::rows::update_lease(self, l).await
-            }
-        })
+    /// As `execute`, or `execute_one` with `what`, for a write of kind
+    /// `hot`, which SQLite's writer sends grouped with others of its kind.
+    fn execute_hot<'a>(
+        &'a mut self,
+        hot: Hot,
+        s: Stmt<'a>,
+        what: Option<String>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let _ = hot;
+        match what {
+            Some(what) => self.execute_one(s, what),
+            None => self.execute(s),
+        }
     }
+}
 
-    /// Record `token` as the last of `resource`, when the caller counted it.
-    fn put_token<'a>(&'a mut self, resource: &'a str, token: i64) -> BoxFuture<'a, Result<()>> {
-        Box::pin(super::rows::set_token(self, resource, token))
-    }
+/// The writes the hot paths make again and again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hot {
+    /// `rows::INSERT_LEASE`.
+    LeaseInsert,
+    /// `rows::UPDATE_LEASE`.
+    LeaseUpdate,
+    /// `rows::SET_TOKEN`.
+    Token,
 }
 
 /// One of the two databases.
@@ -125,9 +134,9 @@ pub trait Db: Database<Connection: Exec> {
     const RELAXED_RENEWALS: bool;
 }
 
-/// A statement that changed `n` rows where it had to change one.
-pub fn vanished(what: &str, n: u64) -> Result<()> {
-    if n == 1 {
+/// A statement that changed `n` rows where it had to change `expected`.
+pub fn vanished(what: &str, n: u64, expected: u64) -> Result<()> {
+    if n == expected {
         Ok(())
     } else {
         Err(StoreError::Other(format!("{what} vanished during update")))

@@ -72,7 +72,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
                 .as_deref_mut()
                 .and_then(|c| c.next_token(resource))
             {
-                self.conn.put_token(resource, token).await?;
+                rows::set_token(self.conn, resource, token).await?;
                 return Ok(token);
             }
             let token = rows::next_token(self.conn, resource).await?;
@@ -85,7 +85,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
 
     fn insert_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            self.conn.put_lease(lease, true).await?;
+            rows::insert_lease(self.conn, lease).await?;
             if let Some(cache) = self.cache.as_deref_mut() {
                 cache.saw_lease(lease);
                 cache.new_owner(&lease.id);
@@ -96,7 +96,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
 
     fn update_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            self.conn.put_lease(lease, false).await?;
+            rows::update_lease(self.conn, lease).await?;
             if let Some(cache) = self.cache.as_deref_mut() {
                 cache.saw_lease(lease);
             }

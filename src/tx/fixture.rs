@@ -7,11 +7,32 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::host::fake::FakeHost;
-use crate::model::{LeaseRecord, ProcessRecord};
+use crate::model::{LeaseRecord, LeaseState, ProcessRecord};
 use crate::store::sqlite::SqliteStore;
 use crate::store::{Backend, Store};
 use crate::time::Millis;
 use crate::waiters::Hub;
+
+/// A current-looking lease record with a 1 s TTL expiring at 1000, for
+/// tests that need one in a store or a cache, not through a script.
+pub fn lease_record(id: &str, resource: &str, state: LeaseState) -> LeaseRecord {
+    LeaseRecord {
+        id: id.into(),
+        resource: resource.into(),
+        token: 1,
+        holder: "h".into(),
+        state,
+        owner: None,
+        parent: None,
+        ttl_ms: Some(1000),
+        expires_at: Some(1000),
+        acquired_at: 0,
+        renewed_at: None,
+        ended_at: None,
+        end_reason: None,
+        metadata: Default::default(),
+    }
+}
 
 /// Where every fixture's clock starts (2023-11-14T22:13:20Z).
 pub const T0: Millis = 1_700_000_000_000;

@@ -117,7 +117,7 @@ impl Exec for PgConnection {
     }
 
     fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move { vanished(&what, self.changed(s).await?) })
+        Box::pin(async move { vanished(&what, self.changed(s).await?, 1) })
     }
 
     /// Take the next seq from the counter row (which the transaction already

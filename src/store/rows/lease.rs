@@ -1,7 +1,7 @@
 //! Leases and the fencing-token counter.
 
 use crate::model::{LeaseFilter, LeaseRecord, LeaseState, ParentRef};
-use crate::store::db::{Cols, Exec, Stmt, decode_err, from_json, scalar, to_json};
+use crate::store::db::{Cols, Exec, Hot, Stmt, decode_err, from_json, scalar, to_json};
 use crate::store::sql::{self, lease_cols, lease_current};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
@@ -75,8 +75,8 @@ pub const SET_TOKEN: &str = "INSERT INTO resources (resource, last_token) VALUES
 
 /// Record `token` as the last of `resource`, when the caller counted it.
 pub async fn set_token<E: Exec + ?Sized>(c: &mut E, resource: &str, token: i64) -> Result<()> {
-    c.execute(Stmt::new(SET_TOKEN).text(resource).int(token))
-        .await
+    let s = Stmt::new(SET_TOKEN).text(resource).int(token);
+    c.execute_hot(Hot::Token, s, None).await
 }
 
 /// Inserts a lease: `$1`.. its columns in the order of `lease_cols!`.
@@ -125,11 +125,13 @@ pub fn update_lease_stmt(l: &LeaseRecord) -> Result<Stmt<'_>> {
 }
 
 pub async fn insert_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
-    c.execute(insert_lease_stmt(l)?).await
+    c.execute_hot(Hot::LeaseInsert, insert_lease_stmt(l)?, None)
+        .await
 }
 
 pub async fn update_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
-    c.execute_one(update_lease_stmt(l)?, format!("lease {}", l.id))
+    let what = format!("lease {}", l.id);
+    c.execute_hot(Hot::LeaseUpdate, update_lease_stmt(l)?, Some(what))
         .await
 }
 

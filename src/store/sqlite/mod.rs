@@ -94,7 +94,7 @@ impl Exec for SqliteConnection {
     }
 
     fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move { vanished(&what, changed(self, s).await?) })
+        Box::pin(async move { vanished(&what, changed(self, s).await?, 1) })
     }
 
     /// Outside the writer (which counts seqs itself, see `pipeline`).

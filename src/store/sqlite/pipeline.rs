@@ -23,11 +23,8 @@ use sqlx::sqlite::SqliteRow;
 use sqlx::{Either, Sqlite, SqliteConnection};
 
 use super::map_err;
-use crate::model::LeaseRecord;
-use crate::store::db::{Arg, Exec, Stmt, query};
-use crate::store::rows::{
-    INSERT_EVENT, INSERT_LEASE, SET_TOKEN, UPDATE_LEASE, insert_lease_stmt, update_lease_stmt,
-};
+use crate::store::db::{Arg, Exec, Hot, Stmt, query, vanished};
+use crate::store::rows::{INSERT_EVENT, INSERT_LEASE, SET_TOKEN, UPDATE_LEASE};
 use crate::store::sql::lease_cols;
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
@@ -71,6 +68,9 @@ const GROUP_SQL: [&str; 4] = [
      FROM json_each($1) AS j WHERE true \
      ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token",
 ];
+
+/// Where each value of an `UPDATE_LEASE` row goes in an `INSERT_LEASE` row.
+const UPDATE_INTO_INSERT: [usize; 8] = [0, 4, 5, 9, 10, 12, 13, 14];
 
 /// The same, for a single row, whose values are the statement's
 /// parameters: a lone request's write costs no JSON.
@@ -297,13 +297,19 @@ impl<'c> Pipeline<'c> {
         self.items.push(Item::raw(sql, self.owner));
     }
 
-    fn queue(&mut self, s: Stmt<'_>, must_change_one: Option<String>) {
-        self.items.push(Item {
+    /// `s` as a statement of the current job.
+    fn item(&self, s: Stmt<'_>, must_change_one: Option<String>) -> Item {
+        Item {
             sql: Cow::Owned(s.sql.to_owned()),
             args: s.args.into_iter().map(owned).collect(),
             owner: self.owner,
             must_change: must_change_one.map(|what| (1, what)),
-        });
+        }
+    }
+
+    fn queue(&mut self, s: Stmt<'_>, must_change_one: Option<String>) {
+        let item = self.item(s, must_change_one);
+        self.items.push(item);
     }
 
     /// Forget what is queued.
@@ -399,9 +405,8 @@ impl<'c> Pipeline<'c> {
                 Either::Left(result) => {
                     if let Some(q) = items.get(done)
                         && let Some((n, what)) = &q.must_change
-                        && result.rows_affected() != *n
+                        && let Err(error) = vanished(what, result.rows_affected(), *n)
                     {
-                        let error = StoreError::Other(format!("{what} vanished during update"));
                         return Err(Failed {
                             owner: q.owner,
                             error,
@@ -414,6 +419,13 @@ impl<'c> Pipeline<'c> {
         Ok(rows)
     }
 
+    /// Forget what is queued and roll the transaction back. Its outcome
+    /// does not matter: SQLite may already have rolled back by itself.
+    pub async fn rollback(&mut self) {
+        self.clear();
+        let _ = self.finish("ROLLBACK").await;
+    }
+
     /// Send what is queued, then the statement `sql` (COMMIT).
     pub async fn finish(&mut self, sql: &'static str) -> Result<Vec<SqliteRow>, Failed> {
         self.send_with(Some(Item::raw(sql, BATCH))).await
@@ -423,30 +435,28 @@ impl<'c> Pipeline<'c> {
         self.groups[kind].push((self.owner, row));
     }
 
-    /// A lease written: a row to insert, or to update. Updates are sent
-    /// before inserts, so an update of a lease whose insert is still queued
-    /// changes that insert's row instead (when the same job queued it), or
-    /// first turns what is queued into statements.
-    fn group_lease(&mut self, l: &LeaseRecord, new: bool) -> Result<()> {
-        let row = json_row(insert_lease_stmt(l)?);
-        if new {
-            self.group(LEASE_INSERTS, row);
-            return Ok(());
-        }
+    /// An update of a lease. Updates are sent before inserts, so an update
+    /// of a lease whose insert is still queued changes that insert's row
+    /// instead (when the same job queued it), or first turns what is queued
+    /// into statements.
+    fn group_update(&mut self, update: Value) {
         let owner = self.owner;
         let queued = self.groups[LEASE_INSERTS]
             .iter_mut()
             .rev()
-            .find(|(_, r)| r[0] == row[0]);
+            .find(|(_, r)| r[0] == update[0]);
         match queued {
-            Some((o, r)) if *o == owner => *r = row,
+            Some((o, insert)) if *o == owner => {
+                for (from, to) in UPDATE_INTO_INSERT.into_iter().enumerate() {
+                    insert[to] = update[from].clone();
+                }
+            }
             Some(_) => {
                 self.place(&KINDS);
-                self.group(LEASE_UPDATES, json_row(update_lease_stmt(l)?));
+                self.group(LEASE_UPDATES, update);
             }
-            None => self.group(LEASE_UPDATES, json_row(update_lease_stmt(l)?)),
+            None => self.group(LEASE_UPDATES, update),
         }
-        Ok(())
     }
 }
 
@@ -454,12 +464,7 @@ impl Exec for Pipeline<'_> {
     type Row = SqliteRow;
 
     fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<SqliteRow>>> {
-        let tail = Item {
-            sql: Cow::Owned(s.sql.to_owned()),
-            args: s.args.into_iter().map(owned).collect(),
-            owner: self.owner,
-            must_change: None,
-        };
+        let tail = self.item(s, None);
         Box::pin(async move {
             self.send_with(Some(tail)).await.map_err(|f| {
                 self.failed_owner = Some(f.owner);
@@ -492,12 +497,21 @@ impl Exec for Pipeline<'_> {
         Box::pin(std::future::ready(Ok(self.seq)))
     }
 
-    fn put_lease<'a>(&'a mut self, l: &'a LeaseRecord, new: bool) -> BoxFuture<'a, Result<()>> {
-        Box::pin(std::future::ready(self.group_lease(l, new)))
-    }
-
-    fn put_token<'a>(&'a mut self, resource: &'a str, token: i64) -> BoxFuture<'a, Result<()>> {
-        self.group(TOKENS, json!([resource, token]));
+    /// Kept as a row of its kind's group. A lease is only updated after
+    /// it was read in the same transaction; the group still checks that
+    /// each of its leases was there.
+    fn execute_hot<'a>(
+        &'a mut self,
+        hot: Hot,
+        s: Stmt<'a>,
+        _what: Option<String>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let row = json_row(s);
+        match hot {
+            Hot::LeaseInsert => self.group(LEASE_INSERTS, row),
+            Hot::LeaseUpdate => self.group_update(row),
+            Hot::Token => self.group(TOKENS, row),
+        }
         Box::pin(std::future::ready(Ok(())))
     }
 }

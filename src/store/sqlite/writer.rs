@@ -198,8 +198,7 @@ impl Writer {
                     } else if single {
                         // The job's own error is the answer, whether this
                         // works or SQLite already rolled back.
-                        p.queue_raw("ROLLBACK");
-                        let _ = p.send().await;
+                        p.rollback().await;
                         c.open = false;
                         let _ = job.reply.send(out);
                         return Vec::new();
@@ -221,9 +220,7 @@ impl Writer {
             }
             if let Some((culprit, e)) = fatal {
                 c.cache.clear();
-                p.clear();
-                p.queue_raw("ROLLBACK");
-                let _ = p.send().await;
+                p.rollback().await;
                 c.open = false;
                 // A queued statement of one job failed after others had run
                 // with it: that job gets its error, the others, undone with
@@ -243,8 +240,7 @@ impl Writer {
             // The last job failed and was undone: commit the others.
             if let Err(f) = p.finish("COMMIT").await {
                 c.cache.clear();
-                p.queue_raw("ROLLBACK");
-                let _ = p.send().await;
+                p.rollback().await;
                 c.open = false;
                 fail(done.into_iter().map(|(r, _)| r), &f.error);
                 return Vec::new();
@@ -287,8 +283,8 @@ impl Writer {
                 Ok(())
             }
             Err(f) => {
+                p.rollback().await;
                 c.full_sync = None;
-                let _ = exec(&mut c.conn, "ROLLBACK").await;
                 Err(f.error)
             }
         }
@@ -484,21 +480,10 @@ mod tests {
                     return Ok(Box::new(-held.token) as JobOutput);
                 }
                 let token = tx.next_token(resource).await?;
+                let id = format!("{resource}-{token}");
                 let l = crate::model::LeaseRecord {
-                    id: format!("{resource}-{token}"),
-                    resource: resource.into(),
                     token,
-                    holder: "h".into(),
-                    state: crate::model::LeaseState::Active,
-                    owner: None,
-                    parent: None,
-                    ttl_ms: None,
-                    expires_at: None,
-                    acquired_at: 0,
-                    renewed_at: None,
-                    ended_at: None,
-                    end_reason: None,
-                    metadata: Default::default(),
+                    ..lease(&id, resource, crate::model::LeaseState::Active)
                 };
                 tx.insert_lease(&l).await?;
                 if fail {
@@ -547,28 +532,7 @@ mod tests {
         assert_eq!(current, ["r-1", "s-1"]);
     }
 
-    fn lease(
-        id: &str,
-        resource: &str,
-        state: crate::model::LeaseState,
-    ) -> crate::model::LeaseRecord {
-        crate::model::LeaseRecord {
-            id: id.into(),
-            resource: resource.into(),
-            token: 1,
-            holder: "h".into(),
-            state,
-            owner: None,
-            parent: None,
-            ttl_ms: Some(1000),
-            expires_at: Some(1000),
-            acquired_at: 0,
-            renewed_at: None,
-            ended_at: None,
-            end_reason: None,
-            metadata: Default::default(),
-        }
-    }
+    use crate::tx::fixture::lease_record as lease;
 
     /// A job that writes `leases` (inserting those marked new), then reads
     /// (so that it sends) and fails, when `fail`.
