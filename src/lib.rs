@@ -205,6 +205,7 @@ impl App {
                 leases: self.state.leases.clone(),
                 processes: self.state.processes.clone(),
                 hub: self.state.hub.clone(),
+                metrics: self.state.metrics.clone(),
                 retention: self.config.event_retention,
             },
             interval,

@@ -42,6 +42,8 @@ pub struct Metrics {
     conflicts: Family<Code, Counter>,
     requests: Family<Request, Counter>,
     latency: Histo,
+    /// Passes of the reconciler: that it runs, and a point to wait for.
+    pub reconciler_passes: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -61,6 +63,7 @@ impl Default for Metrics {
             conflicts: Family::default(),
             requests: Family::default(),
             latency: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            reconciler_passes: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -102,6 +105,11 @@ impl Default for Metrics {
             "http_request_duration_seconds",
             "HTTP request latency by route",
             m.latency.clone(),
+        );
+        registry.register(
+            "reconciler_passes",
+            "Passes of the reconciler over leases and processes",
+            m.reconciler_passes.clone(),
         );
         Self { registry, ..m }
     }

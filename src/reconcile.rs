@@ -22,6 +22,7 @@ pub struct Parts {
     pub leases: Leases,
     pub processes: Arc<Processes>,
     pub hub: Arc<Hub>,
+    pub metrics: Arc<crate::metrics::Metrics>,
     pub retention: Retention,
 }
 
@@ -89,5 +90,6 @@ pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver
             Ok(n) => tracing::info!(claimed = n, "reconciler claimed orphaned processes"),
             Err(e) => tracing::warn!(error = %e, "reconciler pass over processes failed"),
         }
+        parts.metrics.reconciler_passes.inc();
     }
 }

@@ -24,7 +24,12 @@ start_server() {
     url="http://$addr"
 }
 
+source "$(dirname "${BASH_SOURCE[0]}")/holders.sh"
+
+# Stop the server and what it spawned (each child runs in a process group
+# of its own, out of reach of the server's).
 stop_server() {
+    kill_holders_under "$work/data/logs"
     kill -TERM -- "-$server" 2>/dev/null || true
     wait "$server" 2>/dev/null || true
 }

@@ -30,6 +30,8 @@ struct Table {
     counter: i32,
     /// Every pid looked up, in order.
     lookups: Vec<i32>,
+    /// Which pids hold a file open.
+    holders: HashMap<std::path::PathBuf, Vec<i32>>,
 }
 
 pub struct FakeHost {
@@ -141,6 +143,11 @@ impl FakeHost {
         i
     }
 
+    /// Which staged processes hold `file` open.
+    pub fn hold(&self, file: &std::path::Path, pids: &[i32]) {
+        self.table().holders.insert(file.to_owned(), pids.to_vec());
+    }
+
     /// The pids looked up so far, in order.
     pub fn lookups(&self) -> Vec<i32> {
         self.table().lookups.clone()
@@ -148,6 +155,17 @@ impl FakeHost {
 }
 
 impl Host for FakeHost {
+    fn holders_of(&self, files: &[&std::path::Path]) -> Vec<i32> {
+        let t = self.table();
+        files
+            .iter()
+            .filter_map(|f| t.holders.get(*f))
+            .flatten()
+            .copied()
+            .filter(|pid| matches!(t.slots.get(pid), Some(Slot::Running(_))))
+            .collect()
+    }
+
     fn local(&self) -> &LocalFacts {
         &self.facts
     }

@@ -1,7 +1,7 @@
 use std::fs;
 use std::io::ErrorKind;
 use std::os::unix::fs::MetadataExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use rustix::process::{Pid, PidfdFlags, pidfd_open};
 
@@ -152,6 +152,28 @@ impl Host for ProcHost {
 
     fn observe_child(&self, pid: i32) -> Result<Identity, ObserveError> {
         self.read_identity(pid, true)
+    }
+
+    fn holders_of(&self, files: &[&Path]) -> Vec<i32> {
+        // The kernel shows an open file's path resolved, as canonicalize does.
+        let wanted: Vec<PathBuf> = files.iter().filter_map(|f| f.canonicalize().ok()).collect();
+        if wanted.is_empty() {
+            return Vec::new();
+        }
+        let Ok(dir) = fs::read_dir(&self.proc_root) else {
+            return Vec::new();
+        };
+        dir.flatten()
+            .filter_map(|entry| entry.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                let fds = self.proc_root.join(pid.to_string()).join("fd");
+                fs::read_dir(fds).is_ok_and(|fds| {
+                    fds.flatten().any(|fd| {
+                        fs::read_link(fd.path()).is_ok_and(|target| wanted.contains(&target))
+                    })
+                })
+            })
+            .collect()
     }
 }
 

@@ -38,6 +38,10 @@ pub trait Host: Send + Sync + 'static {
         self.observe(pid)
     }
 
+    /// The live processes that hold one of `files` open: how a child is
+    /// found again whose pid was never recorded (it writes to its log files).
+    fn holders_of(&self, files: &[&std::path::Path]) -> Vec<i32>;
+
     /// Judge a recorded identity now.
     fn judge(&self, recorded: &Identity) -> Judgement {
         judge(self.local(), recorded, || self.observe(recorded.pid))

@@ -73,6 +73,8 @@ pub enum LivenessReason {
     OtherPidNamespace,
     PermissionDenied,
     ProcUnreadable,
+    /// Claimed before any process was confirmed for it: whether one runs is unknown.
+    IdentityUnknown,
 }
 
 impl LivenessReason {
@@ -85,6 +87,7 @@ impl LivenessReason {
             Self::OtherPidNamespace => "other_pid_namespace",
             Self::PermissionDenied => "permission_denied",
             Self::ProcUnreadable => "proc_unreadable",
+            Self::IdentityUnknown => "identity_unknown",
         }
     }
 }

@@ -183,6 +183,10 @@ impl ProcessView {
         ports: std::collections::BTreeMap<String, u16>,
     ) -> Self {
         let pgid = rec.pgid();
+        let judged = judged.or_else(|| {
+            (rec.state == ProcessState::Orphaned && rec.identity.is_none())
+                .then(|| Judgement::unknown(LivenessReason::IdentityUnknown))
+        });
         Self {
             pid: rec.pid(),
             pgid,

@@ -27,6 +27,7 @@ use crate::model::{
 use crate::store::{Store, StoreError};
 use ops::{Create, ProcError, StopStart, Stopped};
 use stop::{StopParams, stop_tree};
+use tokio::sync::oneshot;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -80,6 +81,18 @@ pub struct Processes {
     /// reaper collects them: a stop that saw the child go reads how it
     /// ended here instead of racing the transaction that records the exit.
     exits: Mutex<HashMap<String, tokio::sync::watch::Receiver<Option<Exit>>>>,
+    /// Where a test holds a spawn between its two transactions.
+    #[cfg(test)]
+    pub(crate) pause_after_spawn: Mutex<Option<Arc<Pause>>>,
+}
+
+/// A spawn held after the fork, before the child is recorded: `reached`
+/// is notified there, and the spawn goes on once `resume` is.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct Pause {
+    pub reached: tokio::sync::Notify,
+    pub resume: tokio::sync::Notify,
 }
 
 impl Processes {
@@ -100,6 +113,8 @@ impl Processes {
             claiming: Mutex::default(),
             kill_failed: Mutex::default(),
             exits: Mutex::default(),
+            #[cfg(test)]
+            pause_after_spawn: Mutex::default(),
         }))
     }
 
@@ -220,14 +235,58 @@ impl Processes {
                 });
             }
         };
-        let pid = identity.pid;
-        let started_id = id.clone();
-        let view = in_tx!(self, true, |tx, cx| ops::started(
+        #[cfg(test)]
+        {
+            let pause = self
+                .pause_after_spawn
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(p) = pause {
+                p.reached.notify_one();
+                p.resume.notified().await;
+            }
+        }
+        // Watched before anything else can fail: whatever happens to the
+        // record, the child's exit is collected and, while it runs under
+        // this record, recorded.
+        self.watch_child(id.clone(), identity.pid, exit_rx);
+        let (started_id, ident) = (id.clone(), identity.clone());
+        let started = in_tx!(self, true, |tx, cx| ops::started(
             tx,
             cx,
             &started_id,
             identity
-        ))??;
+        ));
+        match started {
+            Ok(Ok(view)) => Ok(view),
+            Ok(Err(refused)) => {
+                // Ended (stopped, claimed) between the two transactions: a
+                // child nobody tracks must not run on.
+                self.kill_unrecorded(
+                    &ident,
+                    &id,
+                    "its record ended before the child was recorded",
+                );
+                Err(refused.into())
+            }
+            Err(e) => {
+                self.kill_unrecorded(&ident, &id, "recording the started child failed");
+                let reason = format!("spawn_failed: recording the started child failed: {e}");
+                let failed_id = id.clone();
+                if let Err(e2) = in_tx!(self, true, |tx, cx| ops::spawn_failed(
+                    tx, cx, &failed_id, reason
+                )) {
+                    // Left `starting`: the next start finds the child gone and ends it.
+                    tracing::warn!(process = %id, error = %e2, "cannot end a failed spawn's record");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Collect the exit of our child `pid`, spawned for record `id`.
+    fn watch_child(self: &Arc<Self>, id: String, pid: i32, exit_rx: oneshot::Receiver<Exit>) {
         let (exit_tx, exit_watch) = tokio::sync::watch::channel(None);
         self.exits
             .lock()
@@ -244,7 +303,14 @@ impl Processes {
                 .unwrap_or_else(PoisonError::into_inner)
                 .remove(&id);
         });
-        Ok(view)
+    }
+
+    /// Kill the tree of a child that no current record will track. It is
+    /// our own child, verified through its pidfd before the signal.
+    fn kill_unrecorded(&self, ident: &Identity, id: &str, why: &str) {
+        let pgid = ident.pgid.filter(|g| *g == ident.pid);
+        tracing::warn!(process = %id, pid = ident.pid, "killing a spawned child: {why}");
+        stop::kill_tree(self.host.as_ref(), ident, pgid, why);
     }
 
     /// The stop's outcome, with the exit status of our own child once the

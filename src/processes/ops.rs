@@ -300,7 +300,8 @@ pub async fn begin_stop(
     if !rec.state.is_current() {
         return Ok(Ok(StopStart::Done(view(tx, cx, rec).await?)));
     }
-    if rec.state == ProcessState::Starting {
+    // Nothing was ever confirmed for it: there is nothing to signal.
+    if rec.identity.is_none() {
         let v = end(
             tx,
             cx,
@@ -503,17 +504,10 @@ pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<Proc
         return Ok(None);
     };
     rec.token += 1;
-    if rec.state == ProcessState::Starting {
-        end(
-            tx,
-            cx,
-            &mut rec,
-            ProcessState::Stopped,
-            "orphan_reconciled".into(),
-        )
-        .await?;
-        return Ok(None);
-    }
+    // A registration never confirmed may have been launched by its client
+    // all the same: it keeps its operation id and ports, as an orphan
+    // nothing is signalled for, until its token holder or an admin ends it.
+    let unconfirmed = rec.state == ProcessState::Starting;
     rec.state = ProcessState::Orphaned;
     tx.update_process(&rec).await?;
     tx.require_durable();
@@ -525,7 +519,7 @@ pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<Proc
         json!({ "reason": why }),
     )
     .await?;
-    Ok(Some(rec))
+    Ok((!unconfirmed).then_some(rec))
 }
 
 /// The reconciler's stop of an orphan is over.

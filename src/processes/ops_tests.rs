@@ -196,13 +196,9 @@ fn running_with(marker: &str) -> Vec<i32> {
     found
 }
 
-#[tokio::test]
-async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
-    let fx = Fixture::new().await;
-    // The fake host knows no real pid: reading the new child's identity fails.
-    let procs = processes(&fx);
-    let marker = format!("holdfast-untracked-{}", uuid::Uuid::now_v7());
-    let request = super::CreateRequest {
+/// A spawn of a shell that keeps `marker` in its command line and waits.
+fn sleeper(marker: &str) -> super::CreateRequest {
+    super::CreateRequest {
         kind: "job".into(),
         operation_id: None,
         lease: None,
@@ -210,28 +206,97 @@ async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
         ttl_ms: None,
         metadata: Default::default(),
         command: Some(Command {
-            // The shell keeps the marker in its command line and waits.
             argv: vec![
                 "sh".into(),
                 "-c".into(),
                 "sleep 300; true".into(),
-                marker.clone(),
+                marker.to_owned(),
             ],
             cwd: None,
             env: Default::default(),
         }),
         ports: Vec::new(),
-    };
-    let got = procs.create(request, 20000..=29999, ADMIN).await;
-    let survivors = running_with(&marker);
+    }
+}
+
+/// Kill what a test left running under `marker`; what was found.
+fn kill_survivors(marker: &str) -> Vec<i32> {
+    let survivors = running_with(marker);
     for pid in &survivors {
         let group = format!("-{pid}");
         let _ = std::process::Command::new("kill")
             .args(["-9", "--", &group])
             .status();
     }
+    survivors
+}
+
+#[tokio::test]
+async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
+    let fx = Fixture::new().await;
+    // The fake host knows no real pid: reading the new child's identity fails.
+    let procs = processes(&fx);
+    let marker = format!("holdfast-untracked-{}", uuid::Uuid::now_v7());
+    let got = procs.create(sleeper(&marker), 20000..=29999, ADMIN).await;
+    let survivors = kill_survivors(&marker);
     assert!(matches!(got, Err(super::Error::Unverifiable(_))), "{got:?}");
     assert_eq!(survivors, Vec::<i32>::new(), "the child was left running");
+}
+
+#[tokio::test]
+async fn a_child_whose_record_ended_before_it_was_recorded_is_killed() {
+    let fx = Fixture::new().await;
+    // The real host, so that the child's identity reads and verifies; the
+    // reaper never runs, so the killed child stays a zombie (not running).
+    let host: Arc<dyn Host> = Arc::new(crate::host::ProcHost::new(
+        crate::host::LocalFacts::read(None).expect("local facts"),
+    ));
+    let reaper = Arc::new(crate::host::spawn::Reaper::default());
+    let procs = super::Processes::new(fx.store.clone(), host.clone(), reaper, fx.dir.path())
+        .expect("processes");
+    let pause = Arc::new(super::Pause::default());
+    *procs.pause_after_spawn.lock().expect("lock") = Some(pause.clone());
+    let marker = format!("holdfast-ended-early-{}", uuid::Uuid::now_v7());
+    let spawning = tokio::spawn({
+        let procs = procs.clone();
+        let req = sleeper(&marker);
+        async move { procs.create(req, 20000..=29999, ADMIN).await }
+    });
+    pause.reached.notified().await;
+    let started = running_with(&marker);
+    let current = fx
+        .backend()
+        .current_processes(&host.local().host_id)
+        .await
+        .expect("current");
+    let [rec] = current.as_slice() else {
+        panic!("one record expected: {current:?}");
+    };
+    assert_eq!(rec.state, ProcessState::Starting);
+    let params = super::stop::StopParams {
+        grace: std::time::Duration::from_secs(1),
+        force: true,
+        reason: "test".into(),
+    };
+    let stopped = procs
+        .stop(rec.id.clone(), 1, params, ADMIN)
+        .await
+        .expect("stop a starting record");
+    assert_eq!(stopped.state, ProcessState::Stopped);
+    pause.resume.notify_one();
+    let got = spawning.await.expect("join");
+    let survivors = kill_survivors(&marker);
+    assert_eq!(started.len(), 1, "the child ran while the spawn was held");
+    assert!(
+        matches!(got, Err(super::Error::Proc(ProcError::Fenced(_)))),
+        "{got:?}"
+    );
+    assert_eq!(survivors, Vec::<i32>::new(), "the child was left running");
+    let after = fx.process(&rec.id).await;
+    assert_eq!(
+        (after.state, after.end_reason.as_deref()),
+        (ProcessState::Stopped, Some("stopped_before_start"))
+    );
 }
 
 #[tokio::test]
@@ -380,17 +445,75 @@ async fn a_live_or_unverifiable_owner_keeps_its_process_past_the_heartbeat_ttl()
     }
 }
 
+/// Views a script would show of `id`, as a list would.
+async fn view_of(fx: &Fixture, id: &str) -> ProcessView {
+    let id = id.to_owned();
+    run!(fx, |tx, cx| async move {
+        let rec = tx.process(&id).await?.expect("exists");
+        ops::view(tx, cx, rec).await
+    })
+}
+
 #[tokio::test]
-async fn claiming_a_starting_record_ends_it_stopped() {
+async fn an_unconfirmed_record_whose_owner_is_gone_keeps_its_operation_and_ports() {
     let mut fx = Fixture::new().await;
-    let rec = register(&fx, kept(None)).await;
+    let owner = fx.host.spawn();
+    let with_op = |owner: &Identity| Create {
+        operation_id: Some("op-1".into()),
+        port_names: vec!["http".into()],
+        ..kept(Some(owner.clone()))
+    };
+    let rec = register(&fx, with_op(&owner)).await;
+    fx.host.kill(owner.pid);
     fx.now += TTL;
     let mark = fx.mark().await;
-    assert!(claim(&fx, &rec.id).await.is_none(), "nothing to stop");
-    let now = fx.process(&rec.id).await;
-    assert_eq!((now.state, now.token), (ProcessState::Stopped, 2));
-    assert_eq!(now.end_reason.as_deref(), Some("orphan_reconciled"));
-    assert_events!(fx, mark, &[("process.stopped", &rec.id)]);
+    assert!(claim(&fx, &rec.id).await.is_none(), "nothing to signal");
+    let now = view_of(&fx, &rec.id).await;
+    assert_eq!((now.state, now.token), (ProcessState::Orphaned, 2));
+    assert_eq!(
+        (now.status, now.status_reason),
+        (
+            Some(Liveness::Unknown),
+            Some(LivenessReason::IdentityUnknown)
+        )
+    );
+    assert_eq!(now.ports.len(), 1, "its ports are kept: {now:?}");
+    assert_events!(fx, mark, &[("process.orphaned", &rec.id)]);
+    assert!(claim(&fx, &rec.id).await.is_none(), "claimed once");
+
+    let host_id = fx.host.local().host_id.clone();
+    let c = with_op(&owner);
+    let again = run!(fx, |tx, cx| ops::create(tx, cx, &host_id, c));
+    assert!(
+        matches!(again, Err(ProcError::OperationInProgress(_))),
+        "the operation id stays taken: {again:?}"
+    );
+    assert!(matches!(
+        begin_stop(&fx, &rec.id, 1).await,
+        Err(ProcError::Fenced(_))
+    ));
+    match begin_stop(&fx, &rec.id, 2).await {
+        Ok(StopStart::Done(v)) => assert_eq!(
+            (v.state, v.end_reason.as_deref(), v.ports.len()),
+            (ProcessState::Stopped, Some("stopped_before_start"), 0)
+        ),
+        Ok(StopStart::Signal(_)) => panic!("nothing to signal"),
+        Err(e) => panic!("{e:?}"),
+    }
+    let host_id = fx.host.local().host_id.clone();
+    let c = with_op(&owner);
+    let next = run!(fx, |tx, cx| ops::create(tx, cx, &host_id, c));
+    assert!(
+        next.is_ok(),
+        "the operation id is free once it ended: {next:?}"
+    );
+
+    // Its client may end one as well.
+    let other = register(&fx, kept(None)).await;
+    fx.now += TTL;
+    assert!(claim(&fx, &other.id).await.is_none());
+    let done = finish(&fx, &other.id, 2).await.expect("finished");
+    assert_eq!(done.state, ProcessState::Failed);
 }
 
 #[tokio::test]

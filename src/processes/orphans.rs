@@ -2,13 +2,14 @@
 //! processes at startup, ending those gone unnoticed, and claiming and
 //! stopping orphans. The request paths are in `mod.rs`.
 
+use std::path::Path;
 use std::sync::{Arc, PoisonError};
 
 use super::ops::{self, Stopped};
-use super::stop::{StopParams, stop_tree};
+use super::stop::{self, StopParams, stop_tree};
 use super::{DEFAULT_GRACE, Processes, rules};
 use crate::host::signal;
-use crate::model::{Exit, ProcessRecord, ProcessState};
+use crate::model::{Exit, Identity, ProcessRecord, ProcessState};
 use crate::store::StoreError;
 use crate::tx::in_tx;
 
@@ -27,10 +28,7 @@ impl Processes {
                 in_tx!(self, true, |tx, _cx| ops::resume(tx, &id))?;
             }
             if rec.state == ProcessState::Starting && rec.spawned {
-                // The server stopped between recording and starting it.
-                let id = rec.id.clone();
-                let reason = "spawn_failed: the server restarted while spawning".to_owned();
-                in_tx!(self, true, |tx, cx| ops::spawn_failed(tx, cx, &id, reason))?;
+                self.recover_spawn(&rec).await?;
             }
             if rec.identity.is_some()
                 && matches!(rec.state, ProcessState::Running | ProcessState::Stopping)
@@ -38,6 +36,56 @@ impl Processes {
                 self.watch(&rec);
             }
         }
+        Ok(())
+    }
+
+    /// A spawn the server stopped in, between recording it and recording its
+    /// child. A child that started is found by the log files it holds open
+    /// (named by the record's id): the one that leads its group is adopted
+    /// as `running`; what is left of a spawn whose leader is gone is killed.
+    async fn recover_spawn(self: &Arc<Self>, rec: &ProcessRecord) -> Result<(), StoreError> {
+        let files: Vec<&Path> = rec
+            .logs
+            .iter()
+            .flat_map(|l| [Path::new(&l.stdout), Path::new(&l.stderr)])
+            .collect();
+        let mut found: Vec<Identity> = self
+            .host
+            .holders_of(&files)
+            .into_iter()
+            .filter_map(|pid| self.host.observe(pid).ok())
+            .filter(|i| self.own.refusal(i).is_none())
+            .collect();
+        // The child leads the group it was started in, and started before
+        // anything it forked.
+        found.sort_by_key(|i| {
+            let started = i.start_time.parse::<u64>().unwrap_or(u64::MAX);
+            (i.pgid != Some(i.pid), started)
+        });
+        let id = rec.id.clone();
+        if let Some(leader) = found.first().filter(|i| i.pgid == Some(i.pid)) {
+            let (sid, ident) = (id.clone(), leader.clone());
+            if in_tx!(self, true, |tx, cx| ops::started(tx, cx, &sid, ident))?.is_ok() {
+                tracing::info!(process = %id, pid = leader.pid, "adopted a child spawned before the restart");
+                if let Some(now) = self.store.backend().get_process(&id).await? {
+                    self.watch(&now);
+                }
+                return Ok(());
+            }
+        }
+        for ident in &found {
+            stop::kill_tree(
+                self.host.as_ref(),
+                ident,
+                None,
+                "left by a spawn cut by a restart",
+            );
+        }
+        let mut reason = "spawn_failed: the server restarted while spawning".to_owned();
+        if !found.is_empty() {
+            reason.push_str(&format!("; {} leftover process(es) killed", found.len()));
+        }
+        in_tx!(self, true, |tx, cx| ops::spawn_failed(tx, cx, &id, reason))?;
         Ok(())
     }
 
@@ -88,7 +136,8 @@ impl Processes {
                 continue;
             }
             let orphan = if rec.state == ProcessState::Orphaned {
-                Some(rec)
+                // One claimed before it was confirmed is kept (`ops::claim`).
+                rec.identity.is_some().then_some(rec)
             } else if self.claimable(&rec).await? {
                 // Re-checked inside the transaction.
                 let id = rec.id.clone();

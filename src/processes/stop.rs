@@ -127,6 +127,15 @@ async fn settled_within(
     }
 }
 
+/// SIGKILL the verified process `ident` and the group `pgid` it leads, at
+/// once and without waiting: whether it was signalled.
+pub fn kill_tree(host: &dyn Host, ident: &Identity, pgid: Option<i32>, reason: &str) -> bool {
+    matches!(
+        send(host, ident, pgid, Sig::Kill, reason),
+        Sent::Signalled(_)
+    )
+}
+
 /// Stop the process of `rec` and, when it leads one, its process group.
 pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> Stopped {
     let Some(ident) = &rec.identity else {

@@ -162,3 +162,105 @@ async fn another_hosts_process_is_never_signalled() {
         .status()
         .expect("kill");
 }
+
+stores!(a_child_spawned_before_a_crash_is_adopted_though_its_pid_was_not_recorded);
+async fn a_child_spawned_before_a_crash_is_adopted_though_its_pid_was_not_recorded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_in(dir.path(), &[]).await;
+    let p = s
+        .spawn(json!({"kind": "dev", "operation_id": "op-crash", "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    let pid = p["pid"].as_i64().expect("pid");
+    s.kill9().await;
+    // As if the server had been killed after the fork, before the second
+    // transaction recorded the child.
+    crate::stores::execute_sql(
+        dir.path(),
+        &format!(
+            "UPDATE processes SET state = 'starting', identity = NULL, started_at = NULL \
+             WHERE id = '{}'",
+            id(&p)
+        ),
+    )
+    .await;
+
+    let s = Server::start_in(dir.path(), &[]).await;
+    let now = s.process(&id(&p)).await;
+    assert_eq!(
+        (
+            now["state"].as_str(),
+            now["status"].as_str(),
+            now["pid"].as_i64()
+        ),
+        (Some("running"), Some("live"), Some(pid)),
+        "{now}"
+    );
+    let again = s
+        .post(
+            "/v1/processes",
+            json!({"kind": "dev", "operation_id": "op-crash", "command": {"argv": ["sleep", "600"]}}),
+        )
+        .await;
+    assert_eq!(
+        again.code(),
+        "operation_in_progress",
+        "no second copy starts"
+    );
+    let stop = s
+        .process_op(&id(&p), "stop", json!({"token": 1, "grace_ms": 2000}))
+        .await;
+    assert_eq!(stop.body["state"], "stopped", "{}", stop.body);
+    assert!(!alive(pid));
+}
+
+stores!(an_unconfirmed_registration_outlives_its_lease_until_it_is_ended);
+async fn an_unconfirmed_registration_outlives_its_lease_until_it_is_ended() {
+    let s = Server::start().await;
+    let lease = s.acquire_ok("reg/owner", "h").await;
+    let lease_id = lease["id"].as_str().expect("id");
+    let reg = s
+        .spawn(
+            json!({"kind": "job", "operation_id": "op-reg", "ports": ["http"],
+                      "lease": {"id": lease_id, "token": 1}}),
+        )
+        .await;
+    assert_eq!(reg["state"], "starting");
+    s.lease_op(lease_id, "release", json!({"token": 1})).await;
+    let path = format!("/v1/processes/{}", id(&reg));
+    let kept = s
+        .eventually(&path, Duration::from_secs(5), |v| v["state"] == "orphaned")
+        .await;
+    assert_eq!(
+        (
+            kept["status"].as_str(),
+            kept["status_reason"].as_str(),
+            kept["token"].as_i64()
+        ),
+        (Some("unknown"), Some("identity_unknown"), Some(2))
+    );
+    assert_eq!(kept["ports"], reg["ports"], "its ports are kept");
+    let again = s
+        .post(
+            "/v1/processes",
+            json!({"kind": "job", "operation_id": "op-reg"}),
+        )
+        .await;
+    assert_eq!(again.code(), "operation_in_progress");
+    // Passes of the reconciler (every 100 ms here) leave it as it is.
+    let events = s.all_events().await.len();
+    s.reconciler_passes(3).await;
+    assert_eq!(s.process(&id(&reg)).await["state"], "orphaned");
+    assert_eq!(s.all_events().await.len(), events);
+
+    let done = s
+        .process_op(&id(&reg), "finish", json!({"token": 2, "state": "failed"}))
+        .await;
+    assert_eq!(done.body["state"], "failed", "{}", done.body);
+    let next = s
+        .post(
+            "/v1/processes",
+            json!({"kind": "job", "operation_id": "op-reg"}),
+        )
+        .await;
+    assert_eq!(next.status, StatusCode::CREATED, "{}", next.body);
+}

@@ -157,6 +157,25 @@ pub async fn database_for(dir: &Path) -> String {
     url
 }
 
+/// Run `sql` on the store of the (stopped) server of `dir`: to stage a
+/// state the server could have left when killed at a given instant.
+pub async fn execute_sql(dir: &Path, sql: &str) {
+    match current() {
+        Store::Sqlite => {
+            let url = format!("sqlite://{}", dir.join("holdfast.db").display());
+            let mut db = sqlx::SqliteConnection::connect(&url).await.expect("open");
+            sqlx::raw_sql(sql).execute(&mut db).await.expect("execute");
+            db.close().await.expect("close");
+        }
+        Store::Postgres => {
+            let url = database_for(dir).await;
+            let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
+            sqlx::raw_sql(sql).execute(&mut db).await.expect("execute");
+            db.close().await.expect("close");
+        }
+    }
+}
+
 /// Drop the database of `dir`, if it has one, without waiting: for a
 /// server's `Drop`, when its directory goes too.
 pub fn drop_database_of(dir: &Path) {

@@ -15,6 +15,10 @@ pub struct Server {
     pub base: String,
     pub client: reqwest::Client,
     _tmp: Option<tempfile::TempDir>,
+    /// Its data directory: whatever holds a log file there is its child.
+    dir: std::path::PathBuf,
+    /// Killed with SIGKILL: its children stay, for the next server on `dir`.
+    crashed: bool,
 }
 
 pub struct Reply {
@@ -99,6 +103,8 @@ impl Server {
                 .build()
                 .expect("client"),
             _tmp: None,
+            dir: dir.to_path_buf(),
+            crashed: false,
         }
     }
 
@@ -106,6 +112,7 @@ impl Server {
     pub async fn kill9(mut self) -> Option<tempfile::TempDir> {
         self.child.start_kill().expect("kill");
         self.child.wait().await.expect("reap");
+        self.crashed = true;
         self._tmp.take()
     }
 
@@ -211,14 +218,63 @@ impl Server {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
+
+    /// Wait until the reconciler has made `n` more passes: to show that
+    /// something it would do was not done.
+    pub async fn reconciler_passes(&self, n: u64) {
+        let passes = |m: &Value| {
+            m.as_str()
+                .and_then(|t| {
+                    t.lines()
+                        .find_map(|l| l.strip_prefix("holdfast_reconciler_passes_total "))
+                })
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let start = passes(&self.get("/metrics").await.body);
+        self.eventually("/metrics", Duration::from_secs(10), |m| {
+            passes(m) >= start + n
+        })
+        .await;
+    }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // A test that ends, or fails, leaves none of the processes its
+        // server spawned behind (a crashed server's are the next one's).
+        if !self.crashed {
+            for pid in holders_under(&self.dir.join("logs")) {
+                let _ = rustix::process::kill_process(
+                    rustix::process::Pid::from_raw(pid).expect("a pid"),
+                    rustix::process::Signal::KILL,
+                );
+            }
+        }
         if let Some(tmp) = &self._tmp {
             crate::stores::drop_database_of(tmp.path());
         }
     }
+}
+
+/// Pids of processes holding a file in `dir` open.
+pub fn holders_under(dir: &Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+                fds.flatten()
+                    .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t.starts_with(&dir)))
+            })
+        })
+        .collect()
 }
 
 /// A real child process to own leases: `sleep`, in its own process group.
