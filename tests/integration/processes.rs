@@ -583,7 +583,8 @@ async fn a_server_whose_session_is_outside_its_pid_namespace_works() {
     }
     let tmp = tempfile::tempdir().expect("tempdir");
     let s = Server::start_under(
-        &["unshare", "--pid", "--fork", "--mount-proc"],
+        // --kill-child: the server goes with the unshare that the test kills.
+        &["unshare", "--pid", "--kill-child", "--mount-proc"],
         tmp.path(),
         &["--reconcile-interval-ms", "100"],
     )
