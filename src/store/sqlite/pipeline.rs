@@ -38,6 +38,9 @@ const KEEP_PREPARED: usize = 8;
 /// gets its error.
 pub const BATCH: usize = usize::MAX;
 
+/// How the writer opens every transaction.
+pub const BEGIN: &str = "BEGIN IMMEDIATE";
+
 /// The kinds of grouped rows, in the order they are sent, and the
 /// statement that writes each. Lease updates go before inserts: an update
 /// only keeps a lease current or ends it, and an ended lease must make way
@@ -92,6 +95,9 @@ struct Item {
     owner: usize,
     /// For one that must change so many rows, and what vanished otherwise.
     must_change: Option<(u64, String)>,
+    /// It writes one row, found by its key: alone, it is a transaction of
+    /// its own, and when it matches no row it wrote nothing.
+    one_row: bool,
 }
 
 impl Item {
@@ -101,6 +107,7 @@ impl Item {
             args: Vec::new(),
             owner,
             must_change: None,
+            one_row: false,
         }
     }
 }
@@ -217,11 +224,15 @@ fn group_item(kind: usize, rows: Vec<(usize, Value)>) -> Item {
         _ => rows,
     };
     let must_change = (kind == LEASE_UPDATES).then(|| (rows.len() as u64, "a lease".to_owned()));
-    let (sql, args) = match <[_; 1]>::try_from(rows) {
-        Ok([(_, row)]) => (ONE_ROW_SQL[kind], row_args(row)),
+    let (sql, args, one_row) = match <[_; 1]>::try_from(rows) {
+        Ok([(_, row)]) => (ONE_ROW_SQL[kind], row_args(row), true),
         Err(rows) => {
             let array = Value::Array(rows.into_iter().map(|r| r.1).collect());
-            (GROUP_SQL[kind], vec![Arg::Owned(Some(array.to_string()))])
+            (
+                GROUP_SQL[kind],
+                vec![Arg::Owned(Some(array.to_string()))],
+                false,
+            )
         }
     };
     Item {
@@ -229,6 +240,7 @@ fn group_item(kind: usize, rows: Vec<(usize, Value)>) -> Item {
         args,
         owner,
         must_change,
+        one_row,
     }
 }
 
@@ -304,6 +316,7 @@ impl<'c> Pipeline<'c> {
             args: s.args.into_iter().map(owned).collect(),
             owner: self.owner,
             must_change: must_change_one.map(|what| (1, what)),
+            one_row: false,
         }
     }
 
@@ -413,10 +426,36 @@ impl<'c> Pipeline<'c> {
                         });
                     }
                     done += 1;
+                    // The last statement's result is the last item: not
+                    // waiting for the channel to close saves a wake-up.
+                    if done == items.len() {
+                        break;
+                    }
                 }
             }
         }
         Ok(rows)
+    }
+
+    /// Whether the transaction, about to commit, is one write of one row
+    /// that nothing was sent for yet: its BEGIN is then dropped and the
+    /// statement runs on its own, in a transaction of its own, which SQLite
+    /// commits as it would the whole (atomically, at the same sync level).
+    /// A statement less each way, and a wake-up less: a lone renewal's.
+    fn lone_write(&mut self) -> bool {
+        let pragmas = self
+            .items
+            .iter()
+            .take_while(|i| i.sql.starts_with("PRAGMA"))
+            .count();
+        let lone = self.sends == 0
+            && self.savepoint_at.is_none()
+            && matches!(&self.items[pragmas..], [begin, write]
+                if begin.sql == BEGIN && write.one_row);
+        if lone {
+            self.items.remove(pragmas);
+        }
+        lone
     }
 
     /// Forget what is queued and roll the transaction back. Its outcome
@@ -428,6 +467,10 @@ impl<'c> Pipeline<'c> {
 
     /// Send what is queued, then the statement `sql` (COMMIT).
     pub async fn finish(&mut self, sql: &'static str) -> Result<Vec<SqliteRow>, Failed> {
+        self.place(&KINDS);
+        if sql == "COMMIT" && self.lone_write() {
+            return self.send_with(None).await;
+        }
         self.send_with(Some(Item::raw(sql, BATCH))).await
     }
 
@@ -529,5 +572,36 @@ mod tests {
         assert_eq!(shift("SELECT $1", 0), "SELECT $1");
         assert_eq!(shift("no parameters", 7), "no parameters");
         assert_eq!(shift("a lone $ stays", 2), "a lone $ stays");
+    }
+
+    #[tokio::test]
+    async fn only_a_lone_one_row_write_goes_without_begin_and_commit() {
+        use crate::store::db::{Exec, Hot, Stmt};
+        use sqlx::Connection;
+        let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
+            .await
+            .expect("open");
+        let mut p = super::Pipeline::new(&mut conn, 0);
+        let update = || Stmt::new(super::UPDATE_LEASE);
+        p.queue_raw("PRAGMA synchronous = FULL");
+        p.queue_raw(super::BEGIN);
+        p.execute_hot(Hot::LeaseUpdate, update(), None)
+            .await
+            .expect("queued");
+        p.place(&super::KINDS);
+        assert!(p.lone_write());
+        assert_eq!(p.items.len(), 2, "the pragma and the update");
+
+        p.clear();
+        p.queue_raw(super::BEGIN);
+        p.execute_hot(Hot::LeaseUpdate, update(), None)
+            .await
+            .expect("queued");
+        p.execute_hot(Hot::Token, Stmt::new(super::SET_TOKEN), None)
+            .await
+            .expect("queued");
+        p.place(&super::KINDS);
+        assert!(!p.lone_write(), "two writes need their transaction");
+        assert_eq!(p.items.len(), 3);
     }
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use futures_util::FutureExt;
 use sqlx::SqliteConnection;
 
-use super::pipeline::{BATCH, Pipeline};
+use super::pipeline::{BATCH, BEGIN, Pipeline};
 use crate::store::cache::Cache;
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
@@ -128,7 +128,7 @@ impl Writer {
         if c.full_sync != Some(durable) {
             p.queue_raw(sync_pragma(durable));
         }
-        p.queue_raw("BEGIN IMMEDIATE");
+        p.queue_raw(BEGIN);
         // Sent with the first job's first statement; assumed until then.
         c.full_sync = None;
         c.open = true;
@@ -274,7 +274,7 @@ impl Writer {
     async fn sync_wal(&self, c: &mut Conn) -> Result<()> {
         let mut p = Pipeline::new(&mut c.conn, c.seq);
         p.queue_raw(sync_pragma(true));
-        p.queue_raw("BEGIN IMMEDIATE");
+        p.queue_raw(BEGIN);
         let now = crate::time::now_ms().to_string();
         crate::store::rows::set_meta(&mut p, "synced_at", &now).await?;
         match p.finish("COMMIT").await {
@@ -602,5 +602,36 @@ mod tests {
                 ("l3".into(), "active".into(), Some(3000)),
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn a_lone_one_row_write_is_its_own_transaction_and_a_vanished_row_keeps_nothing() {
+        use crate::model::LeaseState::Active;
+        let (w, mut c, _dir) = writer().await;
+        let (a, a_rx) = writes(vec![(lease("l1", "r", Active), true)], false);
+        w.run_batch(&mut c, vec![a]).await;
+        seq_of(a_rx).await.expect("inserted alone");
+        let mut renewed = lease("l1", "r", Active);
+        renewed.expires_at = Some(2000);
+        let (b, b_rx) = writes(vec![(renewed, false)], false);
+        w.run_batch(&mut c, vec![b]).await;
+        seq_of(b_rx).await.expect("renewed alone");
+        let (ghost, ghost_rx) = writes(vec![(lease("ghost", "g", Active), false)], false);
+        w.run_batch(&mut c, vec![ghost]).await;
+        assert!(seq_of(ghost_rx).await.is_err(), "updated no row: failed");
+        let (d, d_rx) = writes(vec![(lease("l2", "s", Active), true)], false);
+        w.run_batch(&mut c, vec![d]).await;
+        seq_of(d_rx).await.expect("the next batch goes on");
+        assert_eq!(
+            states(&mut c).await,
+            [
+                ("l1".into(), "active".into(), Some(2000)),
+                ("l2".into(), "active".into(), Some(1000)),
+            ]
+        );
+        sqlx::raw_sql("BEGIN; ROLLBACK")
+            .execute(&mut c.conn)
+            .await
+            .expect("no transaction was left open");
     }
 }
