@@ -77,13 +77,20 @@ pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver
             () = parts.hub.reconcile_soon.notified() => false,
             _ = shutdown.wait_for(|stop| *stop) => return,
         };
-        match leases_pass(&parts.store, &parts.leases).await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(ended = n, "reconciler ended leases"),
-            Err(e) => tracing::warn!(error = %e, "reconciler pass over leases failed"),
-        }
-        if timer && let Err(e) = prune(&parts).await {
-            tracing::warn!(error = %e, "pruning events failed");
+        // A lease's end concerns only the processes it owned: leases are
+        // gone over on the timer, processes then only if this host may have
+        // any (a pass reads them all, and churn ends leases by the thousand).
+        if timer {
+            match leases_pass(&parts.store, &parts.leases).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(ended = n, "reconciler ended leases"),
+                Err(e) => tracing::warn!(error = %e, "reconciler pass over leases failed"),
+            }
+            if let Err(e) = prune(&parts).await {
+                tracing::warn!(error = %e, "pruning events failed");
+            }
+        } else if !parts.processes.may_have_current() {
+            continue;
         }
         match parts.processes.reconcile().await {
             Ok(0) => {}

@@ -81,9 +81,18 @@ pub struct Processes {
     /// reaper collects them: a stop that saw the child go reads how it
     /// ended here instead of racing the transaction that records the exit.
     exits: Mutex<HashMap<String, tokio::sync::watch::Receiver<Option<Exit>>>>,
+    /// Whether this host may have current processes.
+    hint: Mutex<CurrentHint>,
     /// Where a test holds a spawn between its two transactions.
     #[cfg(test)]
     pub(crate) pause_after_spawn: Mutex<Option<Arc<Pause>>>,
+}
+
+/// Bumped before and after every create's first transaction: a pass that
+/// read no current process may clear `maybe` only if `creates` did not move.
+struct CurrentHint {
+    creates: u64,
+    maybe: bool,
 }
 
 /// A spawn held after the fork, before the child is recorded: `reached`
@@ -113,6 +122,10 @@ impl Processes {
             claiming: Mutex::default(),
             kill_failed: Mutex::default(),
             exits: Mutex::default(),
+            hint: Mutex::new(CurrentHint {
+                creates: 0,
+                maybe: true,
+            }),
             #[cfg(test)]
             pause_after_spawn: Mutex::default(),
         }))
@@ -176,7 +189,10 @@ impl Processes {
             port_range,
         };
         let host_id = self.host_id();
-        let (rec, ports) = in_tx!(self, true, |tx, cx| ops::create(tx, cx, &host_id, create))??;
+        self.creating();
+        let created = in_tx!(self, true, |tx, cx| ops::create(tx, cx, &host_id, create));
+        self.creating();
+        let (rec, ports) = created??;
         let (Some(cmd), Some(logs)) = (req.command, logs) else {
             return Ok(self.view(rec, ports));
         };
@@ -283,6 +299,23 @@ impl Processes {
                 Err(e.into())
             }
         }
+    }
+
+    fn hint(&self) -> std::sync::MutexGuard<'_, CurrentHint> {
+        self.hint.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn creating(&self) {
+        let mut h = self.hint();
+        h.creates += 1;
+        h.maybe = true;
+    }
+
+    /// Whether this host may have current processes, for a pass to look.
+    /// Only this server makes records of this host (and finds them again
+    /// at startup), so it knows when there can be none.
+    pub fn may_have_current(&self) -> bool {
+        self.hint().maybe
     }
 
     /// Collect the exit of our child `pid`, spawned for record `id`.

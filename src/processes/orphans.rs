@@ -93,12 +93,17 @@ impl Processes {
     /// would not die, and end records whose process is gone unnoticed.
     pub async fn reconcile(self: &Arc<Self>) -> Result<usize, StoreError> {
         let mut claimed = 0;
-        for rec in self
+        let creates = self.hint().creates;
+        let current = self
             .store
             .backend()
             .current_processes(&self.host_id())
-            .await?
+            .await?;
         {
+            let mut h = self.hint();
+            h.maybe = !current.is_empty() || h.creates != creates;
+        }
+        for rec in current {
             if self
                 .claiming
                 .lock()

@@ -264,3 +264,38 @@ async fn an_unconfirmed_registration_outlives_its_lease_until_it_is_ended() {
         .await;
     assert_eq!(next.status, StatusCode::CREATED, "{}", next.body);
 }
+
+stores!(a_released_lease_takes_its_processes_with_it_between_timed_passes);
+async fn a_released_lease_takes_its_processes_with_it_between_timed_passes() {
+    // Only the pass at startup is timed within the test: what follows is
+    // done by the passes a lease's end starts.
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let first = s.acquire_ok("ws/none", "h").await;
+    let r = s
+        .lease_op(
+            first["id"].as_str().expect("id"),
+            "release",
+            json!({"token": 1}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let lease = s.acquire_ok("ws/owned", "h").await;
+    let lease_ref = json!({"id": lease["id"], "token": lease["token"]});
+    let p = s
+        .spawn(json!({"kind": "dev", "lease": lease_ref, "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    let r = s
+        .lease_op(
+            lease["id"].as_str().expect("id"),
+            "release",
+            json!({"token": 1}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let path = format!("/v1/processes/{}", id(&p));
+    let done = s
+        .eventually(&path, Duration::from_secs(10), |v| v["state"] == "stopped")
+        .await;
+    assert_eq!(done["end_reason"], "orphan_reconciled");
+    assert!(!alive(p["pid"].as_i64().expect("pid")));
+}

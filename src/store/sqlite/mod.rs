@@ -3,6 +3,7 @@
 //! (see `writer`); reads use a pool of read-only WAL connections and never
 //! wait behind writes.
 
+mod hot;
 mod pipeline;
 mod schema;
 mod writer;

@@ -8,12 +8,8 @@
 //! first that fails. Event seqs are handed out here, which the single
 //! writer can do, so that appending an event needs no answer.
 //!
-//! The writes of the hot paths (leases, events, token counters) are kept
-//! as rows, not statements, and each kind is sent as one statement over a
-//! JSON array of them, in the order they were written: whatever the mix of
-//! requests in a batch, a send is then one of a few texts, which stay
-//! prepared. Each kind is a table of its own and none of the tables'
-//! constraints spans two of them, so only the order within a kind matters.
+//! The writes of the hot paths are kept as rows and sent as one statement
+//! (see `hot`).
 
 use std::borrow::Cow;
 
@@ -22,10 +18,9 @@ use serde_json::{Value, json};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Either, Sqlite, SqliteConnection};
 
+use super::hot::{self, EVENTS, KINDS, LEASE_INSERTS, LEASE_UPDATES, TOKENS};
 use super::map_err;
 use crate::store::db::{Arg, Exec, Hot, Stmt, query, vanished};
-use crate::store::rows::{INSERT_EVENT, INSERT_LEASE, SET_TOKEN, UPDATE_LEASE};
-use crate::store::sql::lease_cols;
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
@@ -41,43 +36,8 @@ pub const BATCH: usize = usize::MAX;
 /// How the writer opens every transaction.
 pub const BEGIN: &str = "BEGIN IMMEDIATE";
 
-/// The kinds of grouped rows, in the order they are sent, and the
-/// statement that writes each. Lease updates go before inserts: an update
-/// only keeps a lease current or ends it, and an ended lease must make way
-/// before a new current one on its resource is inserted.
-const LEASE_UPDATES: usize = 0;
-const LEASE_INSERTS: usize = 1;
-const EVENTS: usize = 2;
-const TOKENS: usize = 3;
-const KINDS: [usize; 4] = [LEASE_UPDATES, LEASE_INSERTS, EVENTS, TOKENS];
-const GROUP_SQL: [&str; 4] = [
-    // One row per lease (see `group_item`), so the join is one to one.
-    "UPDATE leases SET state = j.value->>1, owner = j.value->>2, ttl_ms = j.value->>3, \
-     expires_at = j.value->>4, renewed_at = j.value->>5, ended_at = j.value->>6, \
-     end_reason = j.value->>7 FROM json_each($1) AS j WHERE leases.id = j.value->>0",
-    // json_each walks the array in order.
-    concat!(
-        "INSERT INTO leases (",
-        lease_cols!(),
-        ") SELECT j.value->>0, j.value->>1, j.value->>2, j.value->>3, j.value->>4, \
-         j.value->>5, j.value->>6, j.value->>7, j.value->>8, j.value->>9, j.value->>10, \
-         j.value->>11, j.value->>12, j.value->>13, j.value->>14, j.value->>15 \
-         FROM json_each($1) AS j"
-    ),
-    "INSERT INTO events (seq, at, body) SELECT j.value->>0, j.value->>1, j.value->>2 \
-     FROM json_each($1) AS j",
-    // One row per resource (see `group_item`).
-    "INSERT INTO resources (resource, last_token) SELECT j.value->>0, j.value->>1 \
-     FROM json_each($1) AS j WHERE true \
-     ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token",
-];
-
 /// Where each value of an `UPDATE_LEASE` row goes in an `INSERT_LEASE` row.
 const UPDATE_INTO_INSERT: [usize; 8] = [0, 4, 5, 9, 10, 12, 13, 14];
-
-/// The same, for a single row, whose values are the statement's
-/// parameters: a lone request's write costs no JSON.
-const ONE_ROW_SQL: [&str; 4] = [UPDATE_LEASE, INSERT_LEASE, INSERT_EVENT, SET_TOKEN];
 
 /// A failed send: the job that queued the statement that failed, and why.
 #[derive(Debug)]
@@ -95,9 +55,6 @@ struct Item {
     owner: usize,
     /// For one that must change so many rows, and what vanished otherwise.
     must_change: Option<(u64, String)>,
-    /// It writes one row, found by its key: alone, it is a transaction of
-    /// its own, and when it matches no row it wrote nothing.
-    one_row: bool,
 }
 
 impl Item {
@@ -107,7 +64,6 @@ impl Item {
             args: Vec::new(),
             owner,
             must_change: None,
-            one_row: false,
         }
     }
 }
@@ -182,21 +138,6 @@ fn json_row(s: Stmt<'_>) -> Value {
     Value::Array(s.args.into_iter().map(value).collect())
 }
 
-/// A JSON row as the parameters of the one-row statement. SQLite's NULL
-/// has no type, so a null needs none either.
-fn row_args(row: Value) -> Vec<Arg<'static>> {
-    let arg = |v: Value| match v {
-        Value::String(s) => Arg::Owned(Some(s)),
-        Value::Number(n) => Arg::Int(n.as_i64()),
-        Value::Bool(b) => Arg::Bool(b),
-        _ => Arg::Int(None),
-    };
-    match row {
-        Value::Array(values) => values.into_iter().map(arg).collect(),
-        one => vec![arg(one)],
-    }
-}
-
 /// Of rows keyed by their first value, the last of each key, in order.
 fn last_of_each(rows: Vec<(usize, Value)>) -> Vec<(usize, Value)> {
     let mut last = std::collections::HashMap::new();
@@ -210,37 +151,37 @@ fn last_of_each(rows: Vec<(usize, Value)>) -> Vec<(usize, Value)> {
         .collect()
 }
 
-/// One statement writing `rows` of `kind`. A lease updated twice, or a
-/// counter set twice, needs only its last row: each row is the whole state.
-fn group_item(kind: usize, rows: Vec<(usize, Value)>) -> Item {
-    let first = rows.first().map_or(BATCH, |r| r.0);
-    let owner = if rows.iter().all(|r| r.0 == first) {
+/// The one statement writing `rows` (of each kind). A lease updated
+/// twice, or a counter set twice, needs only its last row: each row is the
+/// whole state.
+fn hot_item(rows: [Vec<(usize, Value)>; 4]) -> Item {
+    let mut owners = rows.iter().flatten().map(|r| r.0);
+    let first = owners.next().unwrap_or(BATCH);
+    let owner = if owners.all(|o| o == first) {
         first
     } else {
         BATCH
     };
-    let rows = match kind {
-        LEASE_UPDATES | TOKENS => last_of_each(rows),
-        _ => rows,
-    };
-    let must_change = (kind == LEASE_UPDATES).then(|| (rows.len() as u64, "a lease".to_owned()));
-    let (sql, args, one_row) = match <[_; 1]>::try_from(rows) {
-        Ok([(_, row)]) => (ONE_ROW_SQL[kind], row_args(row), true),
-        Err(rows) => {
-            let array = Value::Array(rows.into_iter().map(|r| r.1).collect());
-            (
-                GROUP_SQL[kind],
-                vec![Arg::Owned(Some(array.to_string()))],
-                false,
-            )
+    let mut expected = 0;
+    let mut args: Vec<Arg<'static>> = Vec::with_capacity(5);
+    for (kind, rows) in rows.into_iter().enumerate() {
+        let rows = match kind {
+            LEASE_UPDATES | TOKENS => last_of_each(rows),
+            _ => rows,
+        };
+        if kind == LEASE_UPDATES {
+            expected = rows.len() as i64;
         }
-    };
+        let array = (!rows.is_empty())
+            .then(|| Value::Array(rows.into_iter().map(|r| r.1).collect()).to_string());
+        args.push(Arg::Owned(array));
+    }
+    args.push(Arg::Int(Some(expected)));
     Item {
-        sql: Cow::Borrowed(sql),
+        sql: Cow::Borrowed(hot::WRITE),
         args,
         owner,
-        must_change,
-        one_row,
+        must_change: None,
     }
 }
 
@@ -316,7 +257,6 @@ impl<'c> Pipeline<'c> {
             args: s.args.into_iter().map(owned).collect(),
             owner: self.owner,
             must_change: must_change_one.map(|what| (1, what)),
-            one_row: false,
         }
     }
 
@@ -332,28 +272,34 @@ impl<'c> Pipeline<'c> {
         self.savepoint_at = None;
     }
 
-    /// Turn the grouped rows of `kinds` into statements, in order with the
-    /// queue: rows written before the current job's savepoint go in front
-    /// of it (so that undoing the job cannot undo them), the job's own after.
+    /// Turn the grouped rows of `kinds` into a statement, in order with
+    /// the queue: rows written before the current job's savepoint go in
+    /// front of it (so that undoing the job cannot undo them), the job's own
+    /// after.
     fn place(&mut self, kinds: &[usize]) {
+        let mut rows: [Vec<(usize, Value)>; 4] = Default::default();
         for &kind in kinds {
-            let mut rows = std::mem::take(&mut self.groups[kind]);
-            if rows.is_empty() {
-                continue;
-            }
-            if let Some((at, _)) = &mut self.savepoint_at
-                && at.sends == self.sends
-            {
-                let before: Vec<_> = rows.drain(..at.groups[kind].min(rows.len())).collect();
+            rows[kind] = std::mem::take(&mut self.groups[kind]);
+        }
+        if rows.iter().all(Vec::is_empty) {
+            return;
+        }
+        if let Some((at, _)) = &mut self.savepoint_at
+            && at.sends == self.sends
+        {
+            let mut before: [Vec<(usize, Value)>; 4] = Default::default();
+            for &kind in kinds {
+                let n = at.groups[kind].min(rows[kind].len());
+                before[kind] = rows[kind].drain(..n).collect();
                 at.groups[kind] = 0;
-                if !before.is_empty() {
-                    self.items.insert(at.items, group_item(kind, before));
-                    at.items += 1;
-                }
             }
-            if !rows.is_empty() {
-                self.items.push(group_item(kind, rows));
+            if before.iter().any(|r| !r.is_empty()) {
+                self.items.insert(at.items, hot_item(before));
+                at.items += 1;
             }
+        }
+        if rows.iter().any(|r| !r.is_empty()) {
+            self.items.push(hot_item(rows));
         }
     }
 
@@ -437,11 +383,12 @@ impl<'c> Pipeline<'c> {
         Ok(rows)
     }
 
-    /// Whether the transaction, about to commit, is one write of one row
-    /// that nothing was sent for yet: its BEGIN is then dropped and the
-    /// statement runs on its own, in a transaction of its own, which SQLite
-    /// commits as it would the whole (atomically, at the same sync level).
-    /// A statement less each way, and a wake-up less: a lone renewal's.
+    /// Whether the transaction, about to commit, is made only of hot
+    /// writes, nothing of it sent yet: its BEGIN is then dropped and the
+    /// one statement runs on its own, in a transaction of its own, which
+    /// SQLite commits as it would the whole (atomically, at the same sync
+    /// level). Two statements less, and their wake-ups: a lone renewal's,
+    /// acquire's or release's, and whole batches of them.
     fn lone_write(&mut self) -> bool {
         let pragmas = self
             .items
@@ -451,7 +398,7 @@ impl<'c> Pipeline<'c> {
         let lone = self.sends == 0
             && self.savepoint_at.is_none()
             && matches!(&self.items[pragmas..], [begin, write]
-                if begin.sql == BEGIN && write.one_row);
+                if begin.sql == BEGIN && write.sql == hot::WRITE);
         if lone {
             self.items.remove(pragmas);
         }
@@ -575,33 +522,38 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn only_a_lone_one_row_write_goes_without_begin_and_commit() {
+    async fn only_a_transaction_of_hot_writes_goes_without_begin_and_commit() {
         use crate::store::db::{Exec, Hot, Stmt};
+        use crate::store::rows::{SET_TOKEN, UPDATE_LEASE};
         use sqlx::Connection;
         let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
             .await
             .expect("open");
         let mut p = super::Pipeline::new(&mut conn, 0);
-        let update = || Stmt::new(super::UPDATE_LEASE);
         p.queue_raw("PRAGMA synchronous = FULL");
         p.queue_raw(super::BEGIN);
-        p.execute_hot(Hot::LeaseUpdate, update(), None)
+        p.execute_hot(Hot::LeaseUpdate, Stmt::new(UPDATE_LEASE), None)
             .await
             .expect("queued");
+        p.execute_hot(Hot::Token, Stmt::new(SET_TOKEN), None)
+            .await
+            .expect("queued");
+        p.append_event(1, "{}").await.expect("queued");
         p.place(&super::KINDS);
         assert!(p.lone_write());
-        assert_eq!(p.items.len(), 2, "the pragma and the update");
+        let sent: Vec<&str> = p.items.iter().map(|i| &*i.sql).collect();
+        assert_eq!(sent, ["PRAGMA synchronous = FULL", super::hot::WRITE]);
 
         p.clear();
         p.queue_raw(super::BEGIN);
-        p.execute_hot(Hot::LeaseUpdate, update(), None)
+        p.execute(Stmt::new("DELETE FROM meta"))
             .await
             .expect("queued");
-        p.execute_hot(Hot::Token, Stmt::new(super::SET_TOKEN), None)
+        p.execute_hot(Hot::Token, Stmt::new(SET_TOKEN), None)
             .await
             .expect("queued");
         p.place(&super::KINDS);
-        assert!(!p.lone_write(), "two writes need their transaction");
+        assert!(!p.lone_write(), "another statement needs the transaction");
         assert_eq!(p.items.len(), 3);
     }
 }

@@ -46,6 +46,7 @@ pub(super) async fn start(
     listener: Arc<dyn CommitListener>,
 ) -> Result<Arc<dyn Writes>> {
     let seq = super::last_event_seq(&mut conn).await?;
+    super::hot::install(&mut conn).await?;
     let rolled_back = Arc::new(AtomicBool::new(false));
     let flag = rolled_back.clone();
     conn.lock_handle()
@@ -370,6 +371,9 @@ mod tests {
         super::super::schema::migrate(&mut conn)
             .await
             .expect("schema");
+        super::super::hot::install(&mut conn)
+            .await
+            .expect("hot writes");
         let writer = Writer {
             conn: tokio::sync::Mutex::new(None),
             rolled_back: Arc::new(AtomicBool::new(false)),
