@@ -21,6 +21,7 @@ use sqlx::{Either, Sqlite, SqliteConnection};
 use super::hot::{self, EVENTS, KINDS, LEASE_INSERTS, LEASE_UPDATES, TOKENS};
 use super::map_err;
 use crate::store::db::{Arg, Exec, Hot, Stmt, query, vanished};
+use crate::store::rows::UPDATE_LEASE;
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
@@ -138,6 +139,21 @@ fn json_row(s: Stmt<'_>) -> Value {
     Value::Array(s.args.into_iter().map(value).collect())
 }
 
+/// A JSON row as the parameters of the one-row statement. SQLite's NULL
+/// has no type, so a null needs none either.
+fn row_args(row: Value) -> Vec<Arg<'static>> {
+    let arg = |v: Value| match v {
+        Value::String(s) => Arg::Owned(Some(s)),
+        Value::Number(n) => Arg::Int(n.as_i64()),
+        Value::Bool(b) => Arg::Bool(b),
+        _ => Arg::Int(None),
+    };
+    match row {
+        Value::Array(values) => values.into_iter().map(arg).collect(),
+        one => vec![arg(one)],
+    }
+}
+
 /// Of rows keyed by their first value, the last of each key, in order.
 fn last_of_each(rows: Vec<(usize, Value)>) -> Vec<(usize, Value)> {
     let mut last = std::collections::HashMap::new();
@@ -154,7 +170,17 @@ fn last_of_each(rows: Vec<(usize, Value)>) -> Vec<(usize, Value)> {
 /// The one statement writing `rows` (of each kind). A lease updated
 /// twice, or a counter set twice, needs only its last row: each row is the
 /// whole state.
-fn hot_item(rows: [Vec<(usize, Value)>; 4]) -> Item {
+fn hot_item(mut rows: [Vec<(usize, Value)>; 4]) -> Item {
+    if rows[LEASE_UPDATES].len() == 1 && rows.iter().map(Vec::len).sum::<usize>() == 1 {
+        // A lone renewal: the plain statement, without JSON or the trigger.
+        let (owner, row) = rows[LEASE_UPDATES].remove(0);
+        return Item {
+            sql: Cow::Borrowed(UPDATE_LEASE),
+            args: row_args(row),
+            owner,
+            must_change: Some((1, "a lease".into())),
+        };
+    }
     let mut owners = rows.iter().flatten().map(|r| r.0);
     let first = owners.next().unwrap_or(BATCH);
     let owner = if owners.all(|o| o == first) {
@@ -387,8 +413,9 @@ impl<'c> Pipeline<'c> {
     /// writes, nothing of it sent yet: its BEGIN is then dropped and the
     /// one statement runs on its own, in a transaction of its own, which
     /// SQLite commits as it would the whole (atomically, at the same sync
-    /// level). Two statements less, and their wake-ups: a lone renewal's,
-    /// acquire's or release's, and whole batches of them.
+    /// level). Two statements less, and their wake-ups: a lone renewal's
+    /// (whose one row goes as the plain UPDATE), acquire's or release's,
+    /// and whole batches of them.
     fn lone_write(&mut self) -> bool {
         let pragmas = self
             .items
@@ -398,7 +425,7 @@ impl<'c> Pipeline<'c> {
         let lone = self.sends == 0
             && self.savepoint_at.is_none()
             && matches!(&self.items[pragmas..], [begin, write]
-                if begin.sql == BEGIN && write.sql == hot::WRITE);
+                if begin.sql == BEGIN && (write.sql == hot::WRITE || write.sql == UPDATE_LEASE));
         if lone {
             self.items.remove(pragmas);
         }
