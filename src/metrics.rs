@@ -42,6 +42,9 @@ pub struct Metrics {
     conflicts: Family<Code, Counter>,
     requests: Family<Request, Counter>,
     latency: Histo,
+    /// Current processes kept past their heartbeat TTL because their
+    /// owner's liveness cannot be checked, as of the last pass.
+    pub owner_unverifiable: Gauge,
     /// Passes of the reconciler: that it runs, and a point to wait for.
     pub reconciler_passes: Counter,
 }
@@ -64,6 +67,7 @@ impl Default for Metrics {
             requests: Family::default(),
             latency: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
             reconciler_passes: Counter::default(),
+            owner_unverifiable: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -110,6 +114,11 @@ impl Default for Metrics {
             "reconciler_passes",
             "Passes of the reconciler over leases and processes",
             m.reconciler_passes.clone(),
+        );
+        registry.register(
+            "processes_owner_unverifiable",
+            "Processes kept past their heartbeat TTL because their owner cannot be verified",
+            m.owner_unverifiable.clone(),
         );
         Self { registry, ..m }
     }

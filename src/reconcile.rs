@@ -93,8 +93,15 @@ pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver
             continue;
         }
         match parts.processes.reconcile().await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(claimed = n, "reconciler claimed orphaned processes"),
+            Ok(pass) => {
+                if pass.claimed > 0 {
+                    tracing::info!(
+                        claimed = pass.claimed,
+                        "reconciler claimed orphaned processes"
+                    );
+                }
+                parts.metrics.owner_unverifiable.set(pass.unverified as i64);
+            }
             Err(e) => tracing::warn!(error = %e, "reconciler pass over processes failed"),
         }
         parts.metrics.reconciler_passes.inc();

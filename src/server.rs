@@ -23,7 +23,10 @@ use crate::caller::Peer;
 /// 431 past it). Heads over `api::HEAD_LIMIT` but under this get the
 /// contract's problem JSON from the API layer.
 pub const READ_BUFFER: usize = 64 * 1024;
-const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// For the whole request head, however it trickles in (hyper's deadline
+/// runs from the first read of a head, not from each byte): a client that
+/// sends a byte a second holds a connection slot this long at most.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long open connections (SSE streams, long polls) get to finish at shutdown.
 const DRAIN: Duration = Duration::from_secs(5);
 

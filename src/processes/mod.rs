@@ -77,6 +77,8 @@ pub struct Processes {
     claiming: Mutex<HashSet<String>>,
     /// Orphans whose `kill_failed` was reported already.
     kill_failed: Mutex<HashSet<String>>,
+    /// Records kept on an unverifiable owner whose warning was logged.
+    unverified: Mutex<HashSet<String>>,
     /// Exit statuses of our own children, by record id, published as the
     /// reaper collects them: a stop that saw the child go reads how it
     /// ended here instead of racing the transaction that records the exit.
@@ -121,6 +123,7 @@ impl Processes {
             logs_dir,
             claiming: Mutex::default(),
             kill_failed: Mutex::default(),
+            unverified: Mutex::default(),
             exits: Mutex::default(),
             hint: Mutex::new(CurrentHint {
                 creates: 0,

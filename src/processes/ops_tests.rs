@@ -653,3 +653,20 @@ async fn a_process_needs_a_current_lease_to_be_created() {
     assert!(matches!(got, Err(ProcError::LeaseFenced(Some(_)))));
     assert_events!(fx, mark, &[]);
 }
+
+#[tokio::test]
+async fn a_pass_keeps_and_counts_a_process_whose_owner_cannot_be_verified() {
+    let fx = Fixture::new().await;
+    let owner = fx.host.spawn();
+    // Its TTL ran out long ago on the pass's (real) clock.
+    let (rec, _) = running(&fx, kept(Some(owner.clone()))).await;
+    let procs = processes(&fx);
+    fx.host.deny(owner.pid);
+    let pass = procs.reconcile().await.expect("pass");
+    assert_eq!((pass.claimed, pass.unverified), (0, 1));
+    assert_eq!(fx.process(&rec.id).await.state, ProcessState::Running);
+    fx.host.kill(owner.pid);
+    let pass = procs.reconcile().await.expect("pass");
+    assert_eq!((pass.claimed, pass.unverified), (1, 0));
+    assert_eq!(fx.process(&rec.id).await.token, 2);
+}

@@ -13,6 +13,21 @@ use crate::model::{Exit, Identity, ProcessRecord, ProcessState};
 use crate::store::StoreError;
 use crate::tx::in_tx;
 
+/// What a reconciler pass over processes did.
+#[derive(Debug, Default)]
+pub struct Pass {
+    /// Records claimed as orphans.
+    pub claimed: usize,
+    /// Records kept past their TTL because their owner cannot be verified.
+    pub unverified: usize,
+}
+
+enum Verdict {
+    Claim,
+    Unverified,
+    Keep,
+}
+
 impl Processes {
     /// At startup: watch the processes of this host that still run, and
     /// end those that exited while the server was down.
@@ -91,8 +106,8 @@ impl Processes {
 
     /// The reconciler's pass: claim and stop orphans, retry orphans that
     /// would not die, and end records whose process is gone unnoticed.
-    pub async fn reconcile(self: &Arc<Self>) -> Result<usize, StoreError> {
-        let mut claimed = 0;
+    pub async fn reconcile(self: &Arc<Self>) -> Result<Pass, StoreError> {
+        let mut pass = Pass::default();
         let creates = self.hint().creates;
         let current = self
             .store
@@ -143,20 +158,45 @@ impl Processes {
             let orphan = if rec.state == ProcessState::Orphaned {
                 // One claimed before it was confirmed is kept (`ops::claim`).
                 rec.identity.is_some().then_some(rec)
-            } else if self.claimable(&rec).await? {
-                // Re-checked inside the transaction.
-                let id = rec.id.clone();
-                let c = in_tx!(self, true, |tx, cx| ops::claim(tx, cx, &id))?;
-                claimed += usize::from(c.is_some());
-                c
             } else {
-                None
+                match self.claimable(&rec).await? {
+                    Verdict::Claim => {
+                        // Re-checked inside the transaction.
+                        let id = rec.id.clone();
+                        let c = in_tx!(self, true, |tx, cx| ops::claim(tx, cx, &id))?;
+                        pass.claimed += usize::from(c.is_some());
+                        c
+                    }
+                    Verdict::Unverified => {
+                        pass.unverified += 1;
+                        self.report_unverified(&rec);
+                        None
+                    }
+                    Verdict::Keep => None,
+                }
             };
             if let Some(orphan) = orphan {
                 self.stop_orphan(orphan);
             }
         }
-        Ok(claimed)
+        Ok(pass)
+    }
+
+    /// Once per record and server run: kept past its TTL on an owner that
+    /// cannot be checked.
+    fn report_unverified(&self, rec: &ProcessRecord) {
+        let first = self
+            .unverified
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(rec.id.clone());
+        if first {
+            tracing::warn!(
+                process = %rec.id,
+                owner = rec.owner.as_ref().map(|o| o.pid),
+                "heartbeat TTL passed but the owner's liveness cannot be checked: the process is kept"
+            );
+        }
     }
 
     /// A running or stopping record whose process and group are provably gone.
@@ -172,16 +212,25 @@ impl Processes {
     /// Whether `rec` looks claimable from outside a transaction: its lease
     /// ended, or its TTL passed while its owner is not live. Cheap reads, so
     /// that a pass writes only for records that need it.
-    async fn claimable(&self, rec: &ProcessRecord) -> Result<bool, StoreError> {
+    async fn claimable(&self, rec: &ProcessRecord) -> Result<Verdict, StoreError> {
         if !rules::may_be_claimed(rec.state) {
-            return Ok(false);
+            return Ok(Verdict::Keep);
         }
         let lease = match &rec.lease {
             Some(l) => self.store.backend().get_lease(&l.id).await?,
             None => None,
         };
         let owner = rec.owner.as_ref().map(|o| self.host.judge(o));
-        Ok(rules::claim_reason(rec, lease.as_ref(), owner, crate::time::now_ms()).is_some())
+        let now = crate::time::now_ms();
+        Ok(
+            if rules::claim_reason(rec, lease.as_ref(), owner, now).is_some() {
+                Verdict::Claim
+            } else if rules::kept_unverified(rec, lease.as_ref(), owner, now) {
+                Verdict::Unverified
+            } else {
+                Verdict::Keep
+            },
+        )
     }
 
     fn stop_orphan(self: &Arc<Self>, rec: ProcessRecord) {

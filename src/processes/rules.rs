@@ -36,6 +36,21 @@ pub fn claim_reason(
     (ttl_passed && !owner_live).then_some("heartbeat_expired")
 }
 
+/// Whether `rec` is kept only because its owner cannot be verified: its
+/// TTL passed, its lease (if any) is current, and its owner is `unknown`.
+/// An operator should hear of it: nobody may be renewing it.
+pub fn kept_unverified(
+    rec: &ProcessRecord,
+    lease: Option<&LeaseRecord>,
+    owner: Option<Judgement>,
+    now: Millis,
+) -> bool {
+    may_be_claimed(rec.state)
+        && claim_reason(rec, lease, owner, now).is_none()
+        && rec.expires_at.is_some_and(|at| now >= at)
+        && owner.is_some_and(|j| j.status == Liveness::Unknown)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +137,12 @@ mod tests {
             None,
             "an owner that cannot be checked counts as alive"
         );
+        assert!(kept_unverified(&kept(NOW), None, unknown, NOW));
+        assert!(
+            !kept_unverified(&kept(NOW + 1), None, unknown, NOW),
+            "TTL not passed"
+        );
+        assert!(!kept_unverified(&kept(NOW), None, live, NOW));
         for owner in [None, dead, remote] {
             assert_eq!(
                 claim_reason(&kept(NOW), None, owner, NOW),

@@ -267,6 +267,44 @@ async fn a_declared_length_over_the_limit_is_413_without_waiting_for_the_body() 
     assert!(text.contains("payload_too_large"), "{text}");
 }
 
+/// A client that trickles its head byte by byte is cut off at the head's
+/// deadline (10 s), not kept as long as each byte comes in time.
+#[tokio::test]
+async fn a_head_trickled_byte_by_byte_is_cut_off_at_its_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Server::start().await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let conn = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    let started = std::time::Instant::now();
+    let (mut read, mut write) = conn.into_split();
+    let trickle = tokio::spawn(async move {
+        let head = format!(
+            "GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-Slow: {}",
+            "a".repeat(200)
+        );
+        for b in head.bytes() {
+            if write.write_all(&[b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    });
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(20), read.read(&mut buf))
+        .await
+        .expect("cut off within 20 s")
+        .unwrap_or(0);
+    let after = started.elapsed();
+    trickle.abort();
+    assert_eq!(n, 0, "no answer, the connection is closed");
+    assert!(
+        (9..15).contains(&after.as_secs()),
+        "cut off after {after:?}, at the 10 s deadline"
+    );
+}
+
 stores!(oversized_heads_are_431);
 async fn oversized_heads_are_431() {
     let s = Server::start().await;
