@@ -60,7 +60,7 @@ impl ProcHost {
 
     fn stat(&self, pid: i32, zombie_ok: bool) -> Result<Stat, ObserveError> {
         let path = self.proc_root.join(pid.to_string()).join("stat");
-        let text = fs::read_to_string(path).map_err(|e| map_io(pid, e))?;
+        let text = fs::read(path).map_err(|e| map_io(pid, e))?;
         let stat = Stat::parse(&text).ok_or_else(|| ObserveError::Unreadable {
             pid,
             source: std::io::Error::new(ErrorKind::InvalidData, "unparsable /proc/<pid>/stat"),
@@ -101,9 +101,12 @@ pub(crate) struct Stat {
 
 impl Stat {
     /// Fields are counted after the last `)`, since the command name in
-    /// field 2 may itself contain spaces and parentheses.
-    pub(crate) fn parse(text: &str) -> Option<Self> {
-        let rest = &text[text.rfind(')')? + 1..];
+    /// field 2 may itself contain spaces, parentheses, newlines and bytes
+    /// that are not UTF-8 (it is bytes, as the process or its file named
+    /// itself): only what follows it is read as text.
+    pub(crate) fn parse(text: &[u8]) -> Option<Self> {
+        let after = text.iter().rposition(|b| *b == b')')? + 1;
+        let rest = std::str::from_utf8(&text[after..]).ok()?;
         let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
         // fields[0] is field 3 (state); field N is fields[N - 3].
         let state = *fields.first()?;
@@ -223,7 +226,7 @@ mod tests {
     #[test]
     fn stat_parses_after_the_last_paren() {
         let text = "4242 (we ird) (x) S 1 4242 4200 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 8879 1 1";
-        let s = Stat::parse(text).expect("parses");
+        let s = Stat::parse(text.as_bytes()).expect("parses");
         assert_eq!(
             s,
             Stat {
@@ -239,22 +242,30 @@ mod tests {
     #[test]
     fn kernel_threads_are_told_by_their_flags_not_their_group() {
         let kthread = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 1 0 0";
-        assert!(Stat::parse(kthread).expect("parses").kernel_thread);
+        assert!(
+            Stat::parse(kthread.as_bytes())
+                .expect("parses")
+                .kernel_thread
+        );
         // In a container the session leader may be outside our PID namespace.
         let contained = "77 (sleep) S 1 77 0 0 -1 4194304 0 0 0 0 0 0 0 0 20 0 1 0 9 0 0";
-        assert!(!Stat::parse(contained).expect("parses").kernel_thread);
+        assert!(
+            !Stat::parse(contained.as_bytes())
+                .expect("parses")
+                .kernel_thread
+        );
     }
 
     #[test]
     fn zombie_state_is_flagged() {
         let text = "7 (z) Z 1 7 7 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 55 0 0";
-        assert!(Stat::parse(text).expect("parses").zombie);
+        assert!(Stat::parse(text.as_bytes()).expect("parses").zombie);
     }
 
     #[test]
     fn truncated_stat_is_rejected() {
-        assert_eq!(Stat::parse("1 (init) S 0 1"), None);
-        assert_eq!(Stat::parse("garbage"), None);
+        assert_eq!(Stat::parse(b"1 (init) S 0 1"), None);
+        assert_eq!(Stat::parse(b"garbage"), None);
     }
 
     #[test]
@@ -266,5 +277,87 @@ mod tests {
         assert_eq!(me.pid, std::process::id() as i32);
         assert_eq!(host.judge(&me).status, Liveness::Live);
         assert!(matches!(host.observe(-5), Err(ObserveError::NotFound(_))));
+    }
+
+    /// A stat line as the kernel writes it, with `comm` as field 2.
+    fn stat_line(comm: &[u8], state: u8, pgid: i32, sid: i32, flags: u64, start: u64) -> Vec<u8> {
+        let mut line = b"4242 (".to_vec();
+        line.extend_from_slice(comm);
+        let mut fields = vec![format!("{}", state as char), "1".into()];
+        fields.push(pgid.to_string());
+        fields.push(sid.to_string());
+        fields.extend(["34817", "-1"].map(String::from));
+        fields.push(flags.to_string());
+        fields.extend(std::iter::repeat_n("0".to_owned(), 12));
+        fields.push(start.to_string());
+        fields.extend(std::iter::repeat_n("7".to_owned(), 30));
+        line.extend_from_slice(format!(") {}\n", fields.join(" ")).as_bytes());
+        line
+    }
+
+    /// Command names of every kind the kernel allows (1 to 15 bytes, any
+    /// but NUL: spaces, parentheses, newlines, digits, bytes that are not
+    /// UTF-8), from a fixed seed, so that a failure is reproduced.
+    #[test]
+    fn stat_parses_whatever_the_command_name() {
+        const TRICKY: &[u8] = b" ()\n)( Z9-\xff\xfe\xc3";
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for case in 0..20_000 {
+            let len = 1 + (next() % 15) as usize;
+            let comm: Vec<u8> = (0..len)
+                .map(|_| match next() % 3 {
+                    0 => TRICKY[(next() % TRICKY.len() as u64) as usize],
+                    _ => 1 + (next() % 255) as u8,
+                })
+                .collect();
+            let state = b"RSDZXTIx"[(next() % 8) as usize];
+            let (pgid, sid) = ((next() % 4_194_304) as i32, (next() % 4_194_304) as i32);
+            let flags = next() & 0x00ff_ffff;
+            let start = next() >> 8;
+            let line = stat_line(&comm, state, pgid, sid, flags, start);
+            let got = Stat::parse(&line).unwrap_or_else(|| panic!("case {case}: {line:?}"));
+            let want = Stat {
+                zombie: matches!(state, b'Z' | b'X' | b'x'),
+                pgid,
+                sid,
+                start_time: start.to_string(),
+                kernel_thread: flags & PF_KTHREAD != 0,
+            };
+            assert_eq!(got, want, "case {case}: {line:?}");
+        }
+    }
+
+    /// A live process whose name holds `) Z 1 1 1 (` and a byte that is
+    /// not UTF-8 is read as it is: live, in its own group.
+    #[test]
+    fn a_process_with_a_hostile_name_is_observed() {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let name = std::ffi::OsStr::from_bytes(b") Z 1 1 1 (\xff\n");
+        let program = dir.path().join(name);
+        std::fs::copy("/bin/sleep", &program).expect("copy sleep");
+        let mut child = std::process::Command::new(&program)
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .expect("spawn");
+        let pid = i32::try_from(child.id()).expect("pid");
+        let host = ProcHost::new(LocalFacts::read(None).expect("facts"));
+        let seen = host.observe(pid);
+        let alive = crate::host::signal::group_alive(pid);
+        let judged = seen.as_ref().map(|i| host.judge(i).status).ok();
+        let _ = child.kill();
+        let _ = child.wait();
+        let seen = seen.expect("observed");
+        assert_eq!((seen.pid, seen.pgid), (pid, Some(pid)));
+        assert!(alive, "its group is seen alive");
+        assert_eq!(judged, Some(Liveness::Live));
     }
 }

@@ -108,7 +108,7 @@ fn live_member(pgid: i32) -> bool {
         if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
             return false;
         }
-        let Ok(text) = std::fs::read_to_string(entry.path().join("stat")) else {
+        let Ok(text) = std::fs::read(entry.path().join("stat")) else {
             return false;
         };
         Stat::parse(&text).is_some_and(|st| !st.zombie && st.pgid == pgid)
@@ -130,7 +130,7 @@ impl OwnIds {
     /// container, `unshare -pf`), which rustix's typed pids cannot hold. 0
     /// here means "not visible", and no refusal is then made on it.
     pub fn read() -> Self {
-        let stat = std::fs::read_to_string("/proc/self/stat")
+        let stat = std::fs::read("/proc/self/stat")
             .ok()
             .and_then(|t| Stat::parse(&t));
         Self {
