@@ -41,6 +41,7 @@ pub mod caller;
 pub mod config;
 pub mod events;
 pub mod host;
+pub mod idempotency;
 pub mod leases;
 pub mod metrics;
 pub mod model;

@@ -26,7 +26,8 @@ pub struct Parts {
     pub retention: Retention,
 }
 
-/// Remove events past the retention, and tell readers where the log now starts.
+/// Remove events past the retention, and tell readers where the log now
+/// starts; and idempotency keys past their 24 hours.
 async fn prune(parts: &Parts) -> Result<(), StoreError> {
     let (keep, age) = match parts.retention {
         Retention::Count(n) => (Some(n), None),
@@ -35,10 +36,16 @@ async fn prune(parts: &Parts) -> Result<(), StoreError> {
             Some(now_ms() - i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
         ),
     };
-    // Not durable: after a crash the same events are simply pruned again.
+    // Not durable: after a crash the same rows are simply pruned again.
+    let stale = now_ms() - crate::idempotency::KEEP_MS;
     let through = parts
         .store
-        .write(false, move |tx| tx.prune_events(keep, age))
+        .write(false, move |tx| {
+            Box::pin(async move {
+                tx.prune_keys(stale).await?;
+                tx.prune_events(keep, age).await
+            })
+        })
         .await?;
     parts
         .hub

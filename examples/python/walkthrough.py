@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 from holdfast_client import AuthenticatedClient, Client
 from holdfast_client.api.events import list_events
@@ -48,11 +49,14 @@ def connect() -> Client | AuthenticatedClient:
 def leases(client: Client | AuthenticatedClient, resource: str) -> tuple[Lease, int]:
     """Acquire, meet a conflict, renew, release."""
     metadata = Metadata.from_dict({"example": "python", "pid": os.getpid()})
-    lease = acquire_lease.sync(
-        client=client,
-        body=AcquireRequest(resource=resource, holder="supervisor-1", ttl_ms=30_000, metadata=metadata),
-    )
+    body = AcquireRequest(resource=resource, holder="supervisor-1", ttl_ms=30_000, metadata=metadata)
+    # An Idempotency-Key makes the request safe to retry after a timeout or a 503.
+    key = f"walkthrough-{uuid.uuid4()}"
+    lease = acquire_lease.sync(client=client, body=body, idempotency_key=key)
     assert isinstance(lease, AcquireResponse), lease
+    # The retry is answered the first answer again; nothing is acquired twice.
+    retried = acquire_lease.sync(client=client, body=body, idempotency_key=key)
+    assert isinstance(retried, AcquireResponse) and retried.id == lease.id, retried
     assert lease.state == LeaseState.ACTIVE and lease.metadata["example"] == "python"
     print(f"acquired {lease.resource} with token {lease.token}, expires {lease.expires_at}")
 

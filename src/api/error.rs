@@ -78,14 +78,24 @@ pub enum ApiError {
     HeadersTooLarge,
     UnsupportedMediaType,
     MethodNotAllowed,
-    Validation { field: String, detail: String },
-    ProcessNotFound { field: String, pid: i64 },
+    Validation {
+        field: String,
+        detail: String,
+    },
+    ProcessNotFound {
+        field: String,
+        pid: i64,
+    },
     IdentityMismatch(String),
     OwnerUnverifiable(String),
     Lease(LeaseError),
     Proc(ProcError),
     Port(PortError),
-    EventsPruned { oldest_seq: i64 },
+    EventsPruned {
+        oldest_seq: i64,
+    },
+    /// A request with the same `Idempotency-Key` is still being answered.
+    RequestInProgress,
     Busy,
     Unavailable(String),
     Internal(String),
@@ -115,6 +125,7 @@ impl From<StoreError> for ApiError {
             StoreError::Busy => Self::Busy,
             StoreError::Unavailable(m) => Self::Unavailable(m),
             StoreError::Other(m) => Self::Internal(m),
+            StoreError::RequestInProgress => Self::RequestInProgress,
         }
     }
 }
@@ -381,6 +392,12 @@ impl IntoResponse for ApiError {
             }
             Self::Proc(e) => return proc_problem(e),
             Self::Port(e) => return port_problem(e),
+            Self::RequestInProgress => (
+                StatusCode::CONFLICT,
+                Code::RequestInProgress,
+                "Request in progress",
+                "a request with the same Idempotency-Key is still being answered".into(),
+            ),
             Self::Busy => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 Code::Busy,

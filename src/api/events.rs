@@ -283,6 +283,7 @@ fn stream(
                     let detail = match e {
                         StoreError::Unavailable(d) | StoreError::Other(d) => d,
                         StoreError::Busy => "the store is busy".into(),
+                        StoreError::RequestInProgress => "a request is in progress".into(),
                     };
                     let data = serde_json::json!({"code": "unavailable", "detail": detail});
                     return Some((

@@ -5,6 +5,7 @@ pub mod auth;
 pub mod error;
 pub mod events;
 pub mod extract;
+pub mod idempotency;
 pub mod leases;
 mod openapi;
 pub mod owner;
@@ -68,6 +69,10 @@ pub fn router(state: AppState) -> Router {
     router
         .fallback(|| async { ApiError::NotFound("no such path".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            idempotency::guard,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), auth::guard))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))

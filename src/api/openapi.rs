@@ -49,6 +49,7 @@ pub fn openapi() -> Document {
     doc.info.version = env!("CARGO_PKG_VERSION").to_owned();
     add_security(&mut doc);
     add_common_refusals(&mut doc);
+    add_idempotency_key(&mut doc);
     require_sent_members(&mut doc);
     doc
 }
@@ -141,6 +142,60 @@ const COMMON: &[(&str, &str, bool, bool)] = &[
         false,
     ),
 ];
+
+/// Every POST takes an `Idempotency-Key` (see `api::idempotency`).
+fn add_idempotency_key(doc: &mut Document) {
+    use utoipa::openapi::path::{ParameterBuilder, ParameterIn};
+    use utoipa::openapi::{ObjectBuilder, Required, Type};
+    const IN_PROGRESS: &str =
+        "`request_in_progress`: a request with the same Idempotency-Key is still being answered";
+    for item in doc.paths.paths.values_mut() {
+        let Some(op) = item.post.as_mut() else {
+            continue;
+        };
+        let schema = ObjectBuilder::new()
+            .schema_type(Type::String)
+            .min_length(Some(1))
+            .max_length(Some(128))
+            .pattern(Some("^[\\x20-\\x7E]+$"))
+            .build();
+        let header = ParameterBuilder::new()
+            .name("Idempotency-Key")
+            .parameter_in(ParameterIn::Header)
+            .required(Required::False)
+            .description(Some(
+                "Makes the request safe to retry: a repeat with the same key, method, path and \
+                 body within 24 hours answers the first answer again (with `Idempotent-Replayed: \
+                 true`) and does nothing; the key with another request is `422 validation` \
+                 (`field: \"Idempotency-Key\"`).",
+            ))
+            .schema(Some(schema))
+            .build();
+        op.parameters
+            .get_or_insert_with(Vec::new)
+            .push(RefOr::T(header));
+        match op.responses.responses.get_mut("409") {
+            Some(RefOr::T(r)) => {
+                r.description = format!("{}; {IN_PROGRESS}", r.description);
+            }
+            Some(RefOr::Ref(_)) => {}
+            None => {
+                let problem = ContentBuilder::new()
+                    .schema(Some(Ref::from_schema_name("Problem")))
+                    .build();
+                op.responses.responses.insert(
+                    "409".to_owned(),
+                    RefOr::T(
+                        ResponseBuilder::new()
+                            .description(IN_PROGRESS)
+                            .content("application/problem+json", problem)
+                            .build(),
+                    ),
+                );
+            }
+        }
+    }
+}
 
 fn add_common_refusals(doc: &mut Document) {
     for (path, op) in operations(doc) {

@@ -2,6 +2,7 @@
 
 mod code;
 mod event;
+mod idempotency;
 pub mod int;
 mod port;
 mod process;
@@ -9,6 +10,7 @@ mod shapes;
 
 pub use code::*;
 pub use event::*;
+pub use idempotency::*;
 pub use port::*;
 pub use process::*;
 pub use shapes::*;

@@ -219,8 +219,22 @@ fn sleeper(marker: &str) -> super::CreateRequest {
     }
 }
 
-/// Kill what a test left running under `marker`; what was found.
-fn kill_survivors(marker: &str) -> Vec<i32> {
+/// Kill what a test left running under `marker`; what was found. A child
+/// just sent SIGKILL is given up to 5 s to exit first (the signal is acted
+/// on when the child next runs, which a busy machine may delay).
+async fn kill_survivors(marker: &str) -> Vec<i32> {
+    for pid in running_with(marker) {
+        let fd = rustix::process::Pid::from_raw(pid).and_then(|p| {
+            rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+        });
+        if let Some(fd) = fd {
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                crate::host::watch::exited(fd),
+            )
+            .await;
+        }
+    }
     let survivors = running_with(marker);
     for pid in &survivors {
         let group = format!("-{pid}");
@@ -238,7 +252,7 @@ async fn a_child_whose_identity_cannot_be_read_is_not_left_running() {
     let procs = processes(&fx);
     let marker = format!("holdfast-untracked-{}", uuid::Uuid::now_v7());
     let got = procs.create(sleeper(&marker), 20000..=29999, ADMIN).await;
-    let survivors = kill_survivors(&marker);
+    let survivors = kill_survivors(&marker).await;
     assert!(matches!(got, Err(super::Error::Unverifiable(_))), "{got:?}");
     assert_eq!(survivors, Vec::<i32>::new(), "the child was left running");
 }
@@ -263,7 +277,12 @@ async fn a_child_whose_record_ended_before_it_was_recorded_is_killed() {
         async move { procs.create(req, 20000..=29999, ADMIN).await }
     });
     pause.reached.notified().await;
-    let started = running_with(&marker);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut started = running_with(&marker);
+    while started.is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        started = running_with(&marker);
+    }
     let current = fx
         .backend()
         .current_processes(&host.local().host_id)
@@ -285,7 +304,7 @@ async fn a_child_whose_record_ended_before_it_was_recorded_is_killed() {
     assert_eq!(stopped.state, ProcessState::Stopped);
     pause.resume.notify_one();
     let got = spawning.await.expect("join");
-    let survivors = kill_survivors(&marker);
+    let survivors = kill_survivors(&marker).await;
     assert_eq!(started.len(), 1, "the child ran while the spawn was held");
     assert!(
         matches!(got, Err(super::Error::Proc(ProcError::Fenced(_)))),

@@ -26,6 +26,11 @@ pub const SQLITE: &[File] = &[
         "processes ports",
         include_str!("../../migrations/sqlite/0002_processes_ports.sql"),
     ),
+    (
+        3,
+        "idempotency",
+        include_str!("../../migrations/sqlite/0003_idempotency.sql"),
+    ),
 ];
 
 pub const POSTGRES: &[File] = &[
@@ -38,6 +43,11 @@ pub const POSTGRES: &[File] = &[
         2,
         "processes ports",
         include_str!("../../migrations/postgres/0002_processes_ports.sql"),
+    ),
+    (
+        3,
+        "idempotency",
+        include_str!("../../migrations/postgres/0003_idempotency.sql"),
     ),
 ];
 

@@ -17,7 +17,9 @@ use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 
-use crate::model::{EventRow, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord};
+use crate::model::{
+    EventRow, IdempotentRequest, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord,
+};
 use crate::time::Millis;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -34,6 +36,10 @@ pub enum StoreError {
     Unavailable(String),
     #[error("store error: {0}")]
     Other(String),
+    /// The request's `Idempotency-Key` is held by another request: nothing
+    /// of this one was kept.
+    #[error("a request with the same idempotency key is in progress")]
+    RequestInProgress,
 }
 
 /// What a committed transaction means for in-memory waiters.
@@ -70,6 +76,29 @@ pub trait Tx: Send {
         keep_last: Option<u64>,
         older_than: Option<Millis>,
     ) -> BoxFuture<'_, Result<i64>>;
+
+    /// Record `key` for request `request_id` unless another request did
+    /// first, since `stale`: the id of the request that holds it.
+    fn claim_key<'a>(
+        &'a mut self,
+        key: &'a str,
+        request: &'a str,
+        request_id: &'a str,
+        at: Millis,
+        stale: Millis,
+    ) -> BoxFuture<'a, Result<String>>;
+    /// Store the answer (status, content type, body) of the request that holds `key`.
+    fn answer_key<'a>(
+        &'a mut self,
+        key: &'a str,
+        request_id: &'a str,
+        answer: (u16, &'a str, &'a str),
+    ) -> BoxFuture<'a, Result<()>>;
+    /// Let `key` go if `request_id` holds it (its request failed: it may be retried).
+    fn forget_key<'a>(&'a mut self, key: &'a str, request_id: &'a str)
+    -> BoxFuture<'a, Result<()>>;
+    /// Delete keys recorded before `before`.
+    fn prune_keys(&mut self, before: Millis) -> BoxFuture<'_, Result<()>>;
 
     fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>>;
     /// The current process holding `operation_id`, if any.
@@ -144,6 +173,11 @@ pub trait Backend: Send + Sync + 'static {
         limit: u32,
     ) -> BoxFuture<'a, Result<Vec<PortRecord>>>;
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>>;
+    /// The request recorded under an `Idempotency-Key`.
+    fn idempotent_request<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<IdempotentRequest>>>;
     fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>>;
     /// The highest seq retention has removed (0 when none).
     fn pruned_through(&self) -> BoxFuture<'_, Result<i64>>;
@@ -174,8 +208,24 @@ impl Store {
         R: Send + 'static,
         F: for<'t> FnOnce(&'t mut dyn Tx) -> BoxFuture<'t, Result<R>> + Send + 'static,
     {
+        // A request with an Idempotency-Key records it in each of its
+        // transactions, before its change (see `crate::idempotency`).
+        let claim = crate::idempotency::Claim::current();
         let job: JobFn = Box::new(move |tx| {
-            Box::pin(async move { f(tx).await.map(|r| Box::new(r) as JobOutput) })
+            Box::pin(async move {
+                if let Some(c) = claim {
+                    let at = crate::time::now_ms();
+                    let stale = at - crate::idempotency::KEEP_MS;
+                    let holder = tx
+                        .claim_key(&c.key, &c.request, &c.request_id, at, stale)
+                        .await?;
+                    if holder != c.request_id {
+                        return Err(StoreError::RequestInProgress);
+                    }
+                    c.mark_recorded();
+                }
+                f(tx).await.map(|r| Box::new(r) as JobOutput)
+            })
         });
         let out = self.backend.write(durable, job).await?;
         out.downcast::<R>()

@@ -8,7 +8,9 @@ use sqlx::pool::PoolConnection;
 
 use super::db::{Db, Exec, conn_err};
 use super::{Backend, BoxFuture, JobFn, JobOutput, Result, rows};
-use crate::model::{EventRow, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord};
+use crate::model::{
+    EventRow, IdempotentRequest, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord,
+};
 use crate::time::Millis;
 
 /// How a store runs its write transactions.
@@ -109,6 +111,13 @@ impl<D: Db> Backend for SqlStore<D> {
 
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {
         read!(self, |c| rows::events(c, after, limit))
+    }
+
+    fn idempotent_request<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<IdempotentRequest>>> {
+        read!(self, |c| rows::idempotent_request(c, key))
     }
 
     fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>> {

@@ -124,6 +124,40 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         Box::pin(rows::prune_events(self.conn, keep_last, older_than))
     }
 
+    fn claim_key<'a>(
+        &'a mut self,
+        key: &'a str,
+        request: &'a str,
+        request_id: &'a str,
+        at: Millis,
+        stale: Millis,
+    ) -> BoxFuture<'a, Result<String>> {
+        Box::pin(rows::claim_key(
+            self.conn, key, request, request_id, at, stale,
+        ))
+    }
+
+    fn answer_key<'a>(
+        &'a mut self,
+        key: &'a str,
+        request_id: &'a str,
+        answer: (u16, &'a str, &'a str),
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::answer_key(self.conn, key, request_id, answer))
+    }
+
+    fn forget_key<'a>(
+        &'a mut self,
+        key: &'a str,
+        request_id: &'a str,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::forget_key(self.conn, key, request_id))
+    }
+
+    fn prune_keys(&mut self, before: Millis) -> BoxFuture<'_, Result<()>> {
+        Box::pin(rows::prune_keys(self.conn, before))
+    }
+
     fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
         Box::pin(rows::process(self.conn, id))
     }

@@ -6,6 +6,7 @@ mod database;
 mod disk_full;
 mod errors;
 mod fleet;
+mod idempotency;
 mod leases;
 mod orphans;
 mod owners;

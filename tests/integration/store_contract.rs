@@ -830,6 +830,106 @@ async fn meta_is_upserted_and_holds_the_prune_watermark() {
     s.close().await;
 }
 
+async fn claim(s: &Store, key: &'static str, request_id: &'static str, at: Millis) -> String {
+    s.write(true, move |tx| {
+        tx.claim_key(key, "POST /v1/leases\n{}", request_id, at, at - 1000)
+    })
+    .await
+    .expect("claim")
+}
+
+stores!(idempotency_keys_are_held_answered_forgotten_and_pruned);
+async fn idempotency_keys_are_held_answered_forgotten_and_pruned() {
+    let place = Place::new().await;
+    let s = place.open().await;
+    assert_eq!(claim(&s.store, "k", "r1", 10_000).await, "r1");
+    assert_eq!(
+        claim(&s.store, "k", "r1", 10_001).await,
+        "r1",
+        "held by its request"
+    );
+    assert_eq!(
+        claim(&s.store, "k", "r2", 10_002).await,
+        "r1",
+        "another request does not take it"
+    );
+    let answer = (201, "application/json", r#"{"id":"l"}"#);
+    s.store
+        .write(true, move |tx| tx.answer_key("k", "r2", answer))
+        .await
+        .expect("a request that does not hold it changes nothing");
+    let pending = s
+        .backend()
+        .idempotent_request("k")
+        .await
+        .expect("read")
+        .expect("kept");
+    assert_eq!((pending.request_id.as_str(), pending.status), ("r1", None));
+    s.store
+        .write(true, move |tx| tx.answer_key("k", "r1", answer))
+        .await
+        .expect("answer");
+    let answered = s
+        .backend()
+        .idempotent_request("k")
+        .await
+        .expect("read")
+        .expect("kept");
+    assert_eq!(
+        (
+            answered.status,
+            answered.content_type.as_deref(),
+            answered.body.as_deref()
+        ),
+        (Some(201), Some("application/json"), Some(r#"{"id":"l"}"#))
+    );
+    assert_eq!(
+        (answered.request.as_str(), answered.created_at),
+        ("POST /v1/leases\n{}", 10_000)
+    );
+    // Past its time (here 1 s), another request takes it afresh.
+    assert_eq!(claim(&s.store, "k", "r3", 11_001).await, "r3");
+    let fresh = s
+        .backend()
+        .idempotent_request("k")
+        .await
+        .expect("read")
+        .expect("kept");
+    assert_eq!((fresh.status, fresh.created_at), (None, 11_001));
+
+    assert_eq!(claim(&s.store, "gone", "r4", 20_000).await, "r4");
+    s.store
+        .write(true, move |tx| tx.forget_key("gone", "r4"))
+        .await
+        .expect("forget");
+    assert_eq!(
+        s.backend().idempotent_request("gone").await.expect("read"),
+        None
+    );
+    assert_eq!(
+        claim(&s.store, "gone", "r5", 20_001).await,
+        "r5",
+        "free again"
+    );
+
+    s.store
+        .write(true, move |tx| tx.prune_keys(20_000))
+        .await
+        .expect("prune");
+    assert_eq!(
+        s.backend().idempotent_request("k").await.expect("read"),
+        None
+    );
+    assert!(
+        s.backend()
+            .idempotent_request("gone")
+            .await
+            .expect("read")
+            .is_some()
+    );
+    s.close().await;
+}
+
 stores!(committed_effects_reach_the_listener_and_failed_ones_do_not);
 async fn committed_effects_reach_the_listener_and_failed_ones_do_not() {
     let place = Place::new().await;

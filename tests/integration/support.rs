@@ -148,6 +148,16 @@ impl Server {
         .await
     }
 
+    /// POST `body` with an `Idempotency-Key`.
+    pub async fn post_keyed(&self, path: &str, key: &str, body: Value) -> Reply {
+        let req = self
+            .client
+            .post(self.url(path))
+            .header("idempotency-key", key)
+            .json(&body);
+        Self::reply(req.send().await.expect("POST")).await
+    }
+
     pub async fn post_raw(&self, path: &str, content_type: Option<&str>, body: Vec<u8>) -> Reply {
         let mut req = self.client.post(self.url(path)).body(body);
         if let Some(ct) = content_type {

@@ -9,6 +9,7 @@
 // types breaks the build.
 
 import assert from "node:assert/strict";
+import { randomUUID } from "node:crypto";
 import createClient from "openapi-fetch";
 
 import type { components, paths } from "../generated/holdfast.js";
@@ -26,17 +27,24 @@ const client = createClient<paths>({
 
 /** Acquire, meet a conflict, renew, release. */
 async function leases(resource: string): Promise<Lease> {
-  const acquired = await client.POST("/v1/leases", {
+  // An Idempotency-Key makes the request safe to retry after a timeout or a 503.
+  const request = {
+    params: { header: { "Idempotency-Key": `walkthrough-${randomUUID()}` } },
     body: {
       resource,
       holder: "supervisor-1",
       ttl_ms: 30_000,
       metadata: { example: "typescript", pid: process.pid },
     },
-  });
+  };
+  const acquired = await client.POST("/v1/leases", request);
   assert.equal(acquired.response.status, 201, JSON.stringify(acquired.error));
   const lease = acquired.data;
   assert.ok(lease);
+  // The retry is answered the first answer again; nothing is acquired twice.
+  const retried = await client.POST("/v1/leases", request);
+  assert.equal(retried.response.headers.get("idempotent-replayed"), "true");
+  assert.equal(retried.data?.id, lease.id);
   assert.equal(lease.state, "active");
   assert.equal(lease.metadata["example"], "typescript");
   console.log(`acquired ${lease.resource} with token ${lease.token}, expires ${lease.expires_at}`);

@@ -2,11 +2,13 @@
 //! record decoded once. Write transactions and reads both use these.
 
 mod event;
+mod idempotency;
 mod lease;
 mod port;
 mod process;
 
 pub use event::*;
+pub use idempotency::*;
 pub use lease::*;
 pub use port::*;
 pub use process::*;

@@ -1,0 +1,165 @@
+//! `Idempotency-Key` on every POST (see `crate::idempotency`): a repeat of
+//! a request answers the first one's answer again without doing anything;
+//! the key with another request is refused; a repeat while the first is
+//! still being answered is `409 request_in_progress`.
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::error::ApiError;
+use super::{AppState, BODY_LIMIT};
+use crate::idempotency::Claim;
+use crate::model::IdempotentRequest;
+use crate::store::Store;
+
+pub const HEADER: &str = "idempotency-key";
+/// Set on an answer given again for a repeated key.
+pub const REPLAYED: &str = "idempotent-replayed";
+const MAX_KEY: usize = 128;
+/// Answers are small JSON documents; a larger one is not kept.
+const MAX_ANSWER: usize = 1024 * 1024;
+
+fn invalid(detail: &str) -> Response {
+    ApiError::validation("Idempotency-Key", detail).into_response()
+}
+
+/// The key, if it is 1..=128 printable ASCII bytes.
+fn valid_key(value: &HeaderValue) -> Result<String, &'static str> {
+    let bytes = value.as_bytes();
+    if bytes.is_empty() || bytes.len() > MAX_KEY {
+        return Err("must be 1 to 128 printable ASCII characters");
+    }
+    if !bytes.iter().all(|b| (0x20..=0x7e).contains(b)) {
+        return Err("must be printable ASCII");
+    }
+    Ok(String::from_utf8_lossy(bytes).into_owned())
+}
+
+pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if req.method() != Method::POST {
+        return next.run(req).await;
+    }
+    let Some(value) = req.headers().get(HEADER) else {
+        return next.run(req).await;
+    };
+    let key = match valid_key(value) {
+        Ok(k) => k,
+        Err(why) => return invalid(why),
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > BODY_LIMIT) {
+        // Refused for its size as it would be without a key.
+        return next.run(req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, BODY_LIMIT).await else {
+        return ApiError::PayloadTooLarge.into_response();
+    };
+    let target = parts.uri.path_and_query().map_or("", |p| p.as_str());
+    let request = format!(
+        "{} {target}\n{}",
+        parts.method,
+        String::from_utf8_lossy(&bytes)
+    );
+    let now = crate::time::now_ms();
+    match state.store.backend().idempotent_request(&key).await {
+        Err(e) => return ApiError::from(e).into_response(),
+        Ok(Some(first)) if first.created_at >= now - crate::idempotency::KEEP_MS => {
+            return again(first, &request);
+        }
+        Ok(_) => {}
+    }
+    let claim = Claim::new(key, request);
+    let req = Request::from_parts(parts, Body::from(bytes));
+    let store = state.store.clone();
+    // Answered to the end even if the client goes away: its retry gets
+    // this answer.
+    let task = tokio::spawn(async move {
+        let res = claim.clone().scope(next.run(req)).await;
+        keep(&store, &claim, res).await
+    });
+    task.await.unwrap_or_else(|_| {
+        ApiError::Internal("a request with an idempotency key panicked".into()).into_response()
+    })
+}
+
+/// The answer to a repeat of `first`'s key.
+fn again(first: IdempotentRequest, request: &str) -> Response {
+    if first.request != request {
+        return invalid("was used for another request (method, path or body) in the last 24 hours");
+    }
+    let Some(status) = first.status.and_then(|s| StatusCode::from_u16(s).ok()) else {
+        return ApiError::RequestInProgress.into_response();
+    };
+    let mut res = Response::new(Body::from(first.body.unwrap_or_default()));
+    *res.status_mut() = status;
+    if let Some(ct) = first
+        .content_type
+        .and_then(|c| HeaderValue::from_str(&c).ok())
+    {
+        res.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    res.headers_mut()
+        .insert(REPLAYED, HeaderValue::from_static("true"));
+    res
+}
+
+/// Store the answer of a request that recorded its key, or let the key go
+/// when the answer is a failure of the server (the request may be retried).
+async fn keep(store: &Store, claim: &std::sync::Arc<Claim>, res: Response) -> Response {
+    if !claim.recorded() {
+        return res;
+    }
+    let (parts, body) = res.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_ANSWER).await else {
+        forget(store, claim).await;
+        return ApiError::Internal("an answer too large to keep".into()).into_response();
+    };
+    if parts.status.is_server_error() {
+        forget(store, claim).await;
+        return Response::from_parts(parts, Body::from(bytes));
+    }
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/json")
+        .to_owned();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let (key, id, status) = (
+        claim.key.clone(),
+        claim.request_id.clone(),
+        parts.status.as_u16(),
+    );
+    let kept = store
+        .write(true, move |tx| {
+            Box::pin(async move {
+                tx.answer_key(&key, &id, (status, &content_type, &text))
+                    .await
+            })
+        })
+        .await;
+    if let Err(e) = kept {
+        // The change is kept; its answer is not: a repeat gets `request_in_progress`.
+        tracing::warn!(key = %claim.key, error = %e, "cannot keep the answer of an idempotent request");
+    }
+    Response::from_parts(parts, Body::from(bytes))
+}
+
+async fn forget(store: &Store, claim: &Claim) {
+    let (key, id) = (claim.key.clone(), claim.request_id.clone());
+    let forgotten = store
+        .write(true, move |tx| {
+            Box::pin(async move { tx.forget_key(&key, &id).await })
+        })
+        .await;
+    if let Err(e) = forgotten {
+        tracing::warn!(key = %claim.key, error = %e, "cannot let an idempotency key go");
+    }
+}

@@ -1,0 +1,58 @@
+//! Safe retries: the `Idempotency-Key` a request carries, as its
+//! transactions see it. The API layer (`api::idempotency`) sets it for the
+//! request's handler; `Store::write` then records the key in each of the
+//! request's transactions, the same transaction as its change, so that a
+//! change is never kept without its key. A request that finds the key held
+//! by another request makes no change (`StoreError::RequestInProgress`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// How long a key and its answer are kept.
+pub const KEEP_MS: i64 = 24 * 60 * 60 * 1000;
+
+/// The key of one request.
+#[derive(Debug)]
+pub struct Claim {
+    pub key: String,
+    /// Method, path and body: what a repeat must match.
+    pub request: String,
+    /// This request, among those that may send the key.
+    pub request_id: String,
+    /// A transaction of this request recorded the key (it holds it if that
+    /// transaction committed).
+    recorded: AtomicBool,
+}
+
+tokio::task_local! {
+    static CLAIM: Arc<Claim>;
+}
+
+impl Claim {
+    pub fn new(key: String, request: String) -> Arc<Self> {
+        Arc::new(Self {
+            key,
+            request,
+            request_id: uuid::Uuid::now_v7().to_string(),
+            recorded: AtomicBool::new(false),
+        })
+    }
+
+    /// Run `f` (the request's handler) with this key.
+    pub async fn scope<F: std::future::Future>(self: Arc<Self>, f: F) -> F::Output {
+        CLAIM.scope(self, f).await
+    }
+
+    /// The key of the request being handled by this task, if it has one.
+    pub fn current() -> Option<Arc<Self>> {
+        CLAIM.try_with(Arc::clone).ok()
+    }
+
+    pub fn mark_recorded(&self) {
+        self.recorded.store(true, Ordering::SeqCst);
+    }
+
+    pub fn recorded(&self) -> bool {
+        self.recorded.load(Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,16 @@
+//! A request made with an `Idempotency-Key`, as stored.
+
+use crate::time::Millis;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotentRequest {
+    /// Method, path and body of the request that first used the key.
+    pub request: String,
+    /// Tells that request from a later one with the same key.
+    pub request_id: String,
+    /// Its answer, once it was given: status, content type, body.
+    pub status: Option<u16>,
+    pub content_type: Option<String>,
+    pub body: Option<String>,
+    pub created_at: Millis,
+}

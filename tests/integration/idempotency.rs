@@ -1,0 +1,232 @@
+//! `Idempotency-Key`: a repeat answers the first answer and changes
+//! nothing; the key with another request is refused; a repeat while the
+//! first is being answered is `request_in_progress`; keys outlive restarts
+//! and hold under concurrent repeats.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::stores::stores;
+use crate::support::Server;
+
+fn replayed(r: &crate::support::Reply) -> bool {
+    r.headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+stores!(a_repeated_request_is_answered_again_and_changes_nothing);
+async fn a_repeated_request_is_answered_again_and_changes_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_in(dir.path(), &[]).await;
+    let body = json!({"resource": "idem/a", "holder": "h", "ttl_ms": 60000});
+    let first = s.post_keyed("/v1/leases", "k-1", body.clone()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert!(!replayed(&first));
+    let events = s.all_events().await.len();
+
+    let again = s.post_keyed("/v1/leases", "k-1", body.clone()).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, first.body, "the first answer, as it was");
+    assert!(replayed(&again));
+    assert_eq!(s.all_events().await.len(), events, "nothing was done again");
+
+    // A refusal is an answer like another: kept, and given again.
+    let held = s
+        .post_keyed(
+            "/v1/leases",
+            "k-2",
+            json!({"resource": "idem/a", "holder": "x", "ttl_ms": 60000}),
+        )
+        .await;
+    assert_eq!(held.code(), "lease_held");
+    let id = first.body["id"].as_str().expect("id");
+    let release = s
+        .post_keyed(
+            &format!("/v1/leases/{id}/release"),
+            "k-3",
+            json!({"token": 1}),
+        )
+        .await;
+    assert_eq!(release.status, StatusCode::OK);
+    let held_again = s
+        .post_keyed(
+            "/v1/leases",
+            "k-2",
+            json!({"resource": "idem/a", "holder": "x", "ttl_ms": 60000}),
+        )
+        .await;
+    assert_eq!(
+        (held_again.status, held_again.code()),
+        (StatusCode::CONFLICT, "lease_held")
+    );
+    assert!(replayed(&held_again));
+    let release_again = s
+        .post_keyed(
+            &format!("/v1/leases/{id}/release"),
+            "k-3",
+            json!({"token": 1}),
+        )
+        .await;
+    assert_eq!(release_again.body, release.body);
+
+    // Keys are stored with the change: a restart keeps them.
+    s.kill9().await;
+    let s = Server::start_in(dir.path(), &[]).await;
+    let after = s.post_keyed("/v1/leases", "k-1", body).await;
+    assert_eq!(
+        (after.status, &after.body),
+        (StatusCode::CREATED, &first.body)
+    );
+    let next = s.acquire_ok("idem/a", "other").await;
+    assert_eq!(next["token"], 2, "no lease was taken again");
+}
+
+stores!(a_key_used_for_another_request_or_malformed_is_422);
+async fn a_key_used_for_another_request_or_malformed_is_422() {
+    let s = Server::start().await;
+    let body = json!({"resource": "idem/b", "holder": "h", "ttl_ms": 60000});
+    let first = s.post_keyed("/v1/leases", "k", body).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other_body = s
+        .post_keyed(
+            "/v1/leases",
+            "k",
+            json!({"resource": "idem/b", "holder": "z", "ttl_ms": 60000}),
+        )
+        .await;
+    let id = first.body["id"].as_str().expect("id");
+    let other_path = s
+        .post_keyed(&format!("/v1/leases/{id}/renew"), "k", json!({"token": 1}))
+        .await;
+    for r in [&other_body, &other_path] {
+        assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+        assert_eq!(
+            (r.code(), r.body["field"].as_str()),
+            ("validation", Some("Idempotency-Key"))
+        );
+    }
+    for key in ["x".repeat(129), "tab\there".into()] {
+        let r = s
+            .post_keyed(
+                "/v1/leases",
+                &key,
+                json!({"resource": "idem/c", "holder": "h", "ttl_ms": 60000}),
+            )
+            .await;
+        assert_eq!(r.body["field"], "Idempotency-Key", "{key:?}: {}", r.body);
+    }
+    let ok = s
+        .post_keyed(
+            "/v1/leases",
+            &"y".repeat(128),
+            json!({"resource": "idem/c", "holder": "h", "ttl_ms": 60000}),
+        )
+        .await;
+    assert_eq!(ok.status, StatusCode::CREATED, "128 bytes are allowed");
+}
+
+stores!(a_repeat_while_the_first_waits_is_request_in_progress);
+async fn a_repeat_while_the_first_waits_is_request_in_progress() {
+    let s = Server::start().await;
+    let held = s.acquire_ok("idem/w", "first").await;
+    let body = json!({"resource": "idem/w", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
+    let waiting = {
+        let (client, url) = (s.client.clone(), s.url("/v1/leases"));
+        let body = body.clone();
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .header("idempotency-key", "w")
+                .json(&body)
+                .send()
+                .await
+                .expect("POST");
+            (
+                r.status(),
+                r.json::<serde_json::Value>().await.expect("json"),
+            )
+        })
+    };
+    s.eventually("/metrics", Duration::from_secs(10), |m| {
+        m.as_str()
+            .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
+    })
+    .await;
+    let during = s.post_keyed("/v1/leases", "w", body.clone()).await;
+    assert_eq!(
+        (during.status, during.code()),
+        (StatusCode::CONFLICT, "request_in_progress")
+    );
+    let id = held["id"].as_str().expect("id");
+    s.lease_op(id, "release", json!({"token": 1})).await;
+    let (status, granted) = waiting.await.expect("join");
+    assert_eq!(status, StatusCode::CREATED, "{granted}");
+    let after = s.post_keyed("/v1/leases", "w", body).await;
+    assert_eq!((after.status, after.body), (StatusCode::CREATED, granted));
+}
+
+stores!(concurrent_repeats_make_one_change);
+async fn concurrent_repeats_make_one_change() {
+    let s = Server::start().await;
+    let body = json!({"resource": "idem/race", "holder": "h", "ttl_ms": 60000});
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (client, url, body) = (s.client.clone(), s.url("/v1/leases"), body.clone());
+            tokio::spawn(async move {
+                let r = client
+                    .post(url)
+                    .header("idempotency-key", "race")
+                    .json(&body)
+                    .send()
+                    .await
+                    .expect("POST");
+                (
+                    r.status(),
+                    r.json::<serde_json::Value>().await.expect("json"),
+                )
+            })
+        })
+        .collect();
+    let mut created = Vec::new();
+    for t in tasks {
+        let (status, body) = t.await.expect("join");
+        match status {
+            StatusCode::CREATED => created.push(body),
+            StatusCode::CONFLICT => assert_eq!(body["code"], "request_in_progress", "{body}"),
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert!(!created.is_empty());
+    assert!(
+        created.iter().all(|b| b == &created[0]),
+        "one lease, one answer"
+    );
+    let acquired = s
+        .all_events()
+        .await
+        .iter()
+        .filter(|e| e["type"] == "lease.acquired")
+        .count();
+    assert_eq!(acquired, 1);
+}
+
+stores!(a_spawn_retried_with_its_key_starts_one_process);
+async fn a_spawn_retried_with_its_key_starts_one_process() {
+    let s = Server::start().await;
+    let body = json!({"kind": "dev", "command": {"argv": ["sleep", "600"]}});
+    let first = s.post_keyed("/v1/processes", "spawn-1", body.clone()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let again = s.post_keyed("/v1/processes", "spawn-1", body).await;
+    assert_eq!(again.body["id"], first.body["id"]);
+    assert_eq!(again.body["pid"], first.body["pid"]);
+    let listed = s.get("/v1/processes?state=all").await;
+    assert_eq!(
+        listed.body["items"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        listed.body
+    );
+}
