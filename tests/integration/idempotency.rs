@@ -17,6 +17,25 @@ fn replayed(r: &crate::support::Reply) -> bool {
         .is_some_and(|v| v == "true")
 }
 
+/// POST /v1/leases with `key` from a task of its own: its status and body.
+fn acquire_in_background(
+    s: &Server,
+    key: &'static str,
+    body: &serde_json::Value,
+) -> tokio::task::JoinHandle<(StatusCode, serde_json::Value)> {
+    let (client, url, body) = (s.client.clone(), s.url("/v1/leases"), body.clone());
+    tokio::spawn(async move {
+        let r = client
+            .post(url)
+            .header("idempotency-key", key)
+            .json(&body)
+            .send()
+            .await
+            .expect("POST");
+        (r.status(), r.json().await.expect("json"))
+    })
+}
+
 stores!(a_repeated_request_is_answered_again_and_changes_nothing);
 async fn a_repeated_request_is_answered_again_and_changes_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -133,23 +152,7 @@ async fn a_repeat_while_the_first_waits_is_request_in_progress() {
     let s = Server::start().await;
     let held = s.acquire_ok("idem/w", "first").await;
     let body = json!({"resource": "idem/w", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
-    let waiting = {
-        let (client, url) = (s.client.clone(), s.url("/v1/leases"));
-        let body = body.clone();
-        tokio::spawn(async move {
-            let r = client
-                .post(url)
-                .header("idempotency-key", "w")
-                .json(&body)
-                .send()
-                .await
-                .expect("POST");
-            (
-                r.status(),
-                r.json::<serde_json::Value>().await.expect("json"),
-            )
-        })
-    };
+    let waiting = acquire_in_background(&s, "w", &body);
     s.eventually("/metrics", Duration::from_secs(10), |m| {
         m.as_str()
             .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
@@ -173,22 +176,7 @@ async fn concurrent_repeats_make_one_change() {
     let s = Server::start().await;
     let body = json!({"resource": "idem/race", "holder": "h", "ttl_ms": 60000});
     let tasks: Vec<_> = (0..16)
-        .map(|_| {
-            let (client, url, body) = (s.client.clone(), s.url("/v1/leases"), body.clone());
-            tokio::spawn(async move {
-                let r = client
-                    .post(url)
-                    .header("idempotency-key", "race")
-                    .json(&body)
-                    .send()
-                    .await
-                    .expect("POST");
-                (
-                    r.status(),
-                    r.json::<serde_json::Value>().await.expect("json"),
-                )
-            })
-        })
+        .map(|_| acquire_in_background(&s, "race", &body))
         .collect();
     let mut created = Vec::new();
     for t in tasks {

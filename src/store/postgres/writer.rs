@@ -170,6 +170,12 @@ impl Writer {
                     effects.extend(job_effects);
                     done.push((job.reply, v));
                 }
+                // Found its idempotency key held by an earlier request, before
+                // it changed anything (the claim rewrote that row as it was):
+                // the batch goes on without it.
+                Err(StoreError::RequestInProgress) => {
+                    let _ = job.reply.send(Err(StoreError::RequestInProgress));
+                }
                 Err(e) => {
                     // No savepoint per job (two round trips each): the failed
                     // job's partial writes cannot be undone alone, so the
