@@ -1,6 +1,7 @@
 //! The one integration-test binary: each file is a module.
 
 mod access;
+mod campaigns;
 mod cli;
 mod database;
 mod disk_full;

@@ -1,0 +1,284 @@
+//! Fault campaigns: the server killed with SIGKILL again and again under a
+//! load of acquires, releases and spawns, and (PostgreSQL) its database
+//! connections cut under keyed, retried writes. Each ends with invariant
+//! checks on what the clients were answered, the event history and the
+//! process table, and prints its figures.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::stores::stores;
+use crate::support::{Server, alive, holders_under};
+
+const KILLS: usize = 50;
+const LEASE_WORKERS: usize = 4;
+const SPAWN_WORKERS: usize = 2;
+
+/// A small deterministic generator: a campaign can be rerun as it was.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % below
+    }
+}
+
+/// What the clients were answered, across every server of the campaign.
+#[derive(Default, Clone)]
+struct Ledger {
+    /// Lease id → (resource, token), for each acquire answered 201.
+    acquired: HashMap<String, (String, i64)>,
+    released: HashSet<String>,
+    /// Process id → pid, for each spawn answered 201.
+    spawned: HashMap<String, i64>,
+    stopped: HashSet<String>,
+    requests: usize,
+}
+
+struct Load {
+    client: reqwest::Client,
+    base: String,
+    ledger: Arc<Mutex<Ledger>>,
+    /// Answers given in this round; the server is killed after some.
+    answered: AtomicUsize,
+    answer: tokio::sync::Notify,
+    stop: Arc<AtomicBool>,
+}
+
+impl Load {
+    fn record(&self, f: impl FnOnce(&mut Ledger)) {
+        f(&mut self.ledger.lock().expect("ledger"));
+        self.answered.fetch_add(1, Ordering::SeqCst);
+        self.answer.notify_waiters();
+    }
+
+    /// Until `n` answers were given in this round.
+    async fn answers(&self, n: usize) {
+        loop {
+            let next = self.answer.notified();
+            if self.answered.load(Ordering::SeqCst) >= n {
+                return;
+            }
+            next.await;
+        }
+    }
+
+    /// POST, or None once the server is gone (the answer never came).
+    async fn post(&self, path: &str, body: Value) -> Option<(StatusCode, Value)> {
+        self.ledger.lock().expect("ledger").requests += 1;
+        let res = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .ok()?;
+        let status = res.status();
+        Some((status, res.json().await.ok()?))
+    }
+
+    async fn leases(self: Arc<Self>, me: usize) {
+        let mut rng = Rng(0x9e37_79b9 + me as u64);
+        while !self.stop.load(Ordering::SeqCst) {
+            let resource = format!("crash/{}", rng.next(3));
+            let body = json!({"resource": resource, "holder": format!("w{me}"), "ttl_ms": 1000, "wait_ms": 300});
+            let Some((status, lease)) = self.post("/v1/leases", body).await else {
+                return;
+            };
+            if status != StatusCode::CREATED {
+                assert!(
+                    status == StatusCode::CONFLICT && lease["code"] == "lease_held",
+                    "acquire: {status} {lease}"
+                );
+                continue;
+            }
+            let id = lease["id"].as_str().expect("id").to_owned();
+            let token = lease["token"].as_i64().expect("token");
+            self.record(|l| {
+                l.acquired.insert(id.clone(), (resource, token));
+            });
+            let path = format!("/v1/leases/{id}/release");
+            let Some((status, body)) = self.post(&path, json!({"token": token})).await else {
+                return;
+            };
+            // It may have expired meanwhile (its TTL is short): fenced.
+            match status {
+                StatusCode::OK => self.record(|l| {
+                    l.released.insert(id);
+                }),
+                StatusCode::CONFLICT => assert_eq!(body["code"], "fenced", "{body}"),
+                other => panic!("release: {other} {body}"),
+            }
+        }
+    }
+
+    async fn spawns(self: Arc<Self>) {
+        while !self.stop.load(Ordering::SeqCst) {
+            let body = json!({"kind": "crash", "command": {"argv": ["sleep", "300"]}});
+            let Some((status, p)) = self.post("/v1/processes", body).await else {
+                return;
+            };
+            assert_eq!(status, StatusCode::CREATED, "spawn: {p}");
+            let id = p["id"].as_str().expect("id").to_owned();
+            let pid = p["pid"].as_i64().expect("pid");
+            self.record(|l| {
+                l.spawned.insert(id.clone(), pid);
+            });
+            let body = json!({"token": p["token"], "grace_ms": 0});
+            let Some((status, p)) = self.post(&format!("/v1/processes/{id}/stop"), body).await
+            else {
+                return;
+            };
+            assert_eq!(status, StatusCode::OK, "stop: {p}");
+            assert_eq!(p["state"], "stopped", "{p}");
+            self.record(|l| {
+                l.stopped.insert(id);
+            });
+        }
+    }
+}
+
+/// Every item of a list endpoint, paging through.
+async fn list_all(s: &Server, path: &str) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut cursor = String::new();
+    loop {
+        let r = s.get(&format!("{path}&limit=1000{cursor}")).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        out.extend(r.body["items"].as_array().expect("items").iter().cloned());
+        match r.body["next_cursor"].as_str() {
+            Some(c) => cursor = format!("&cursor={c}"),
+            None => return out,
+        }
+    }
+}
+
+/// The invariants, checked on a server just restarted on the campaign's data.
+async fn check(s: &Server, dir: &Path, ledger: &Ledger) {
+    let events = s.all_events().await;
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e["seq"].as_i64(), Some(i as i64 + 1), "gap-free seqs: {e}");
+    }
+    let lease_events: Vec<Value> = events
+        .iter()
+        .filter(|e| e["type"].as_str().is_some_and(|t| t.starts_with("lease.")))
+        .cloned()
+        .collect();
+    // One current lease per resource, tokens strictly increasing.
+    crate::races::check_history(&lease_events);
+    let seen = |kind: &str, field: &str, id: &str| {
+        events
+            .iter()
+            .any(|e| e["type"] == kind && e[field]["id"].as_str() == Some(id))
+    };
+    for (id, (resource, token)) in &ledger.acquired {
+        let lease = s.lease(id).await;
+        assert_eq!(
+            (lease["resource"].as_str(), lease["token"].as_i64()),
+            (Some(resource.as_str()), Some(*token)),
+            "an answered acquire is kept as answered"
+        );
+        assert!(
+            seen("lease.acquired", "lease", id),
+            "{id} acquired unlogged"
+        );
+        if ledger.released.contains(id) {
+            assert_eq!(lease["state"], "released", "{lease}");
+            assert!(
+                seen("lease.released", "lease", id),
+                "{id} released unlogged"
+            );
+        }
+    }
+
+    let current = list_all(s, "/v1/processes?state=current").await;
+    let tracked: HashMap<i64, &Value> = current
+        .iter()
+        .filter_map(|p| Some((p["pid"].as_i64()?, p)))
+        .collect();
+    for pid in holders_under(&dir.join("logs")) {
+        let rec = tracked.get(&i64::from(pid));
+        assert!(
+            rec.is_some_and(|p| p["state"] == "running"),
+            "pid {pid} runs holding a log file but no running record tracks it: {rec:?}"
+        );
+    }
+    for (id, pid) in &ledger.spawned {
+        let p = s.process(id).await;
+        assert_eq!(p["pid"].as_i64(), Some(*pid), "{p}");
+        if ledger.stopped.contains(id) {
+            assert_eq!(p["state"], "stopped", "an answered stop is kept: {p}");
+            assert!(!alive(*pid), "stopped process {pid} still runs");
+        } else if p["state"] == "running" {
+            assert!(alive(*pid), "running record of a dead pid: {p}");
+        }
+    }
+}
+
+stores!(fifty_sigkills_under_load_lose_nothing_answered_and_leak_no_child);
+async fn fifty_sigkills_under_load_lose_nothing_answered_and_leak_no_child() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let mut rng = Rng(0x5eed_1234);
+    for _ in 0..KILLS {
+        let s = Server::start_in(dir, &["--reconcile-interval-ms", "100"]).await;
+        let answered = ledger.lock().expect("ledger").clone();
+        check(&s, dir, &answered).await;
+        let load = Arc::new(Load {
+            client: s.client.clone(),
+            base: s.base.clone(),
+            ledger: ledger.clone(),
+            answered: AtomicUsize::new(0),
+            answer: tokio::sync::Notify::new(),
+            stop: Arc::new(AtomicBool::new(false)),
+        });
+        let mut workers = tokio::task::JoinSet::new();
+        for me in 0..LEASE_WORKERS {
+            workers.spawn(load.clone().leases(me));
+        }
+        for _ in 0..SPAWN_WORKERS {
+            workers.spawn(load.clone().spawns());
+        }
+        // Killed after a few answers, at a moment the load decides.
+        let after = 2 + rng.next(20) as usize;
+        tokio::time::timeout(std::time::Duration::from_secs(60), load.answers(after))
+            .await
+            .expect("the load is answered");
+        load.stop.store(true, Ordering::SeqCst);
+        s.kill9().await;
+        while let Some(done) = workers.join_next().await {
+            done.expect("a worker's assertion failed");
+        }
+    }
+    let s = Server::start_in(dir, &["--reconcile-interval-ms", "100"]).await;
+    let ledger = ledger.lock().expect("ledger").clone();
+    check(&s, dir, &ledger).await;
+    // Whatever still runs is stopped through the API: nothing left behind.
+    for p in list_all(&s, "/v1/processes?state=current").await {
+        let id = p["id"].as_str().expect("id");
+        let r = s
+            .process_op(id, "stop", json!({"token": p["token"], "grace_ms": 0}))
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    }
+    assert!(holders_under(&dir.join("logs")).is_empty());
+    eprintln!(
+        "crash campaign ({:?}): {KILLS} kills, {} requests, {} acquires and {} releases answered, \
+         {} spawns and {} stops answered, violations 0",
+        crate::stores::current(),
+        ledger.requests,
+        ledger.acquired.len(),
+        ledger.released.len(),
+        ledger.spawned.len(),
+        ledger.stopped.len(),
+    );
+}
