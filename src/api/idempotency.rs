@@ -13,7 +13,7 @@ use super::error::ApiError;
 use super::{AppState, BODY_LIMIT};
 use crate::idempotency::Claim;
 use crate::model::IdempotentRequest;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 pub const HEADER: &str = "idempotency-key";
 /// Set on an answer given again for a repeated key.
@@ -21,6 +21,8 @@ pub const REPLAYED: &str = "idempotent-replayed";
 const MAX_KEY: usize = 128;
 /// Answers are small JSON documents; a larger one is not kept.
 const MAX_ANSWER: usize = 1024 * 1024;
+/// Tries to keep an answer through a store that is briefly unavailable.
+const KEEP_TRIES: u32 = 5;
 
 fn invalid(detail: &str) -> Response {
     ApiError::validation("Idempotency-Key", detail).into_response()
@@ -137,14 +139,28 @@ async fn keep(store: &Store, claim: &std::sync::Arc<Claim>, res: Response) -> Re
         claim.request_id.clone(),
         parts.status.as_u16(),
     );
-    let kept = store
-        .write(true, move |tx| {
-            Box::pin(async move {
-                tx.answer_key(&key, &id, (status, &content_type, &text))
-                    .await
+    // Tried again through a brief outage: an answer not kept leaves the
+    // key `request_in_progress` to every retry for a day.
+    let mut kept = Err(StoreError::Busy);
+    for attempt in 1..=KEEP_TRIES {
+        let (key, id, content_type, text) =
+            (key.clone(), id.clone(), content_type.clone(), text.clone());
+        kept = store
+            .write(true, move |tx| {
+                Box::pin(async move {
+                    tx.answer_key(&key, &id, (status, &content_type, &text))
+                        .await
+                })
             })
-        })
-        .await;
+            .await;
+        match &kept {
+            Err(StoreError::Busy | StoreError::Unavailable(_)) if attempt < KEEP_TRIES => {
+                tokio::time::sleep(std::time::Duration::from_millis(100 * u64::from(attempt)))
+                    .await;
+            }
+            _ => break,
+        }
+    }
     if let Err(e) = kept {
         // The change is kept; its answer is not: a repeat gets `request_in_progress`.
         tracing::warn!(key = %claim.key, error = %e, "cannot keep the answer of an idempotent request");

@@ -282,3 +282,286 @@ async fn fifty_sigkills_under_load_lose_nothing_answered_and_leak_no_child() {
         ledger.stopped.len(),
     );
 }
+
+const CUT_CLIENTS: usize = 8;
+const CUT_OPS: usize = 25;
+
+/// POST with `key` until an answer that is not a failure of the server or
+/// of the connection, nor `request_in_progress`: a client that retries
+/// safely. The answer, and how many tries it took.
+async fn post_until_answered(
+    client: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &Value,
+) -> (StatusCode, Value, usize) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    for tries in 1.. {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{url} not answered in 60 s"
+        );
+        let Ok(res) = client
+            .post(url)
+            .header("idempotency-key", key)
+            .json(body)
+            .send()
+            .await
+        else {
+            continue;
+        };
+        let status = res.status();
+        let Ok(answer) = res.json::<Value>().await else {
+            continue;
+        };
+        let in_progress = status == StatusCode::CONFLICT && answer["code"] == "request_in_progress";
+        if !status.is_server_error() && !in_progress {
+            return (status, answer, tries);
+        }
+        // The request that holds the key, or the database, is still at it.
+        tokio::task::yield_now().await;
+    }
+    unreachable!()
+}
+
+#[tokio::test]
+async fn keyed_writes_retried_through_cut_database_connections_are_done_once() {
+    use crate::stores::{Store, run};
+    run(Store::Postgres, async {
+        let s = Server::start().await;
+        let url = crate::stores::database_for(s.dir()).await;
+        let name = url.rsplit('/').next().expect("name").to_owned();
+        let base = crate::stores::postgres_base().expect("on");
+
+        // Every connection of the server to its database is cut, again and
+        // again, while the clients write.
+        let stop = Arc::new(AtomicBool::new(false));
+        let cutter = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                use sqlx::Connection;
+                let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
+                    .await
+                    .expect("connect");
+                let mut cuts = 0usize;
+                while !stop.load(Ordering::SeqCst) {
+                    let cut: Vec<bool> = sqlx::query_scalar(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
+                    )
+                    .bind(&name)
+                    .fetch_all(&mut admin)
+                    .await
+                    .expect("terminate");
+                    cuts += cut.into_iter().filter(|c| *c).count();
+                    // A fault injector's pace, not a wait for an outcome.
+                    tokio::time::sleep(std::time::Duration::from_millis(15)).await;
+                }
+                cuts
+            })
+        };
+
+        let mut clients = tokio::task::JoinSet::new();
+        for c in 0..CUT_CLIENTS {
+            let (client, base) = (s.client.clone(), s.base.clone());
+            clients.spawn(async move {
+                let (mut tries, mut done) = (0, Vec::new());
+                for n in 0..CUT_OPS {
+                    let resource = format!("cut/{c}/{n}");
+                    let body =
+                        json!({"resource": resource, "holder": format!("c{c}"), "ttl_ms": 60_000});
+                    let (status, lease, t) = post_until_answered(
+                        &client,
+                        &format!("{base}/v1/leases"),
+                        &format!("acq-{c}-{n}"),
+                        &body,
+                    )
+                    .await;
+                    assert_eq!(
+                        status,
+                        StatusCode::CREATED,
+                        "a retried acquire meets its own lease: {lease}"
+                    );
+                    tries += t;
+                    let id = lease["id"].as_str().expect("id").to_owned();
+                    let release = format!("{base}/v1/leases/{id}/release");
+                    let (status, ended, t) = post_until_answered(
+                        &client,
+                        &release,
+                        &format!("rel-{c}-{n}"),
+                        &json!({"token": lease["token"]}),
+                    )
+                    .await;
+                    assert_eq!(status, StatusCode::OK, "{ended}");
+                    assert_eq!(ended["state"], "released");
+                    tries += t;
+                    done.push((resource, id));
+                }
+                (tries, done)
+            });
+        }
+        let (mut tries, mut done) = (0, Vec::new());
+        while let Some(client) = clients.join_next().await {
+            let (t, d) = client.expect("a client's assertion failed");
+            tries += t;
+            done.extend(d);
+        }
+        stop.store(true, Ordering::SeqCst);
+        let cuts = cutter.await.expect("cutter");
+
+        let events = s.all_events().await;
+        crate::races::check_history(&events);
+        for (resource, id) in &done {
+            let leases = list_all(&s, &format!("/v1/leases?state=all&resource={resource}")).await;
+            let ids: Vec<&str> = leases.iter().filter_map(|l| l["id"].as_str()).collect();
+            assert_eq!(
+                ids,
+                [id.as_str()],
+                "one lease per acquire, the one answered"
+            );
+            assert_eq!(leases[0]["state"], "released");
+            let of = |kind: &str| {
+                events
+                    .iter()
+                    .filter(|e| e["type"] == kind && e["lease"]["id"] == id.as_str())
+                    .count()
+            };
+            assert_eq!(
+                (of("lease.acquired"), of("lease.released")),
+                (1, 1),
+                "{resource}"
+            );
+        }
+        let ops = 2 * CUT_CLIENTS * CUT_OPS;
+        assert!(cuts > 0, "the campaign cut no connection");
+        eprintln!(
+            "connection-cut campaign: {cuts} connections cut, {ops} keyed writes, {} retries, \
+             duplicates 0, lost answers 0",
+            tries - ops
+        );
+    })
+    .await
+}
+
+/// A TCP proxy to PostgreSQL that, once armed, passes on the next COMMIT
+/// and drops the connection before its answer comes back: a COMMIT that
+/// happens while its client is told the connection broke.
+struct CommitCutter {
+    port: u16,
+    armed: Arc<AtomicBool>,
+}
+
+impl CommitCutter {
+    async fn start(upstream: String) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let armed = Arc::new(AtomicBool::new(false));
+        let on = armed.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(&upstream)
+                    .await
+                    .expect("connect upstream");
+                tokio::spawn(Self::pipe(client, server, on.clone()));
+            }
+        });
+        Self { port, armed }
+    }
+
+    async fn pipe(
+        client: tokio::net::TcpStream,
+        server: tokio::net::TcpStream,
+        armed: Arc<AtomicBool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut cr, mut cw) = client.into_split();
+        let (mut sr, mut sw) = server.into_split();
+        let cut = Arc::new(tokio::sync::Notify::new());
+        let to_client = {
+            let cut = cut.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    tokio::select! {
+                        biased;
+                        // The COMMIT's answer, and all after it, never arrives.
+                        () = cut.notified() => return,
+                        n = sr.read(&mut buf) => match n {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => if cw.write_all(&buf[..n]).await.is_err() { return },
+                        },
+                    }
+                }
+            })
+        };
+        let mut buf = vec![0u8; 65536];
+        while let Ok(n) = cr.read(&mut buf).await {
+            let commit = buf[..n].windows(7).any(|w| w == b"COMMIT\0");
+            // Cut before the COMMIT goes, so that its answer cannot pass.
+            let cutting = commit && armed.swap(false, Ordering::SeqCst);
+            if cutting {
+                cut.notify_one();
+            }
+            // PostgreSQL reads the COMMIT before the end of the stream, and
+            // commits.
+            if n == 0 || sw.write_all(&buf[..n]).await.is_err() || cutting {
+                break;
+            }
+        }
+        let _ = to_client.await;
+    }
+}
+
+#[tokio::test]
+async fn a_commit_whose_answer_is_lost_is_answered_as_kept_and_its_retry_replays_it() {
+    use crate::stores::{Store, run};
+    if crate::stores::postgres_base().is_none() {
+        return;
+    }
+    // Run as a SQLite test so that the server is given only the proxy's
+    // address as its database, not the database's own.
+    run(Store::Sqlite, async {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let url = crate::stores::database_for(tmp.path()).await;
+        let rest = url.split_once("://").expect("url").1;
+        let (auth, rest) = rest.split_once('@').expect("user@host");
+        let (host, name) = rest.split_once('/').expect("host/db");
+        let proxy = CommitCutter::start(host.to_owned()).await;
+        let through = format!("postgres://{auth}@127.0.0.1:{}/{name}", proxy.port);
+        let s = Server::start_in(
+            tmp.path(),
+            &["--database", &through, "--reconcile-interval-ms", "3600000"],
+        )
+        .await;
+        // The reconciler's first pass (at start) writes too: the cut is
+        // for the request's COMMIT.
+        s.eventually("/metrics", std::time::Duration::from_secs(10), |m| {
+            m.as_str().is_some_and(|t| {
+                t.lines()
+                    .filter_map(|l| l.strip_prefix("holdfast_reconciler_passes_total "))
+                    .any(|n| n.trim() != "0")
+            })
+        })
+        .await;
+
+        let body = json!({"resource": "lost/commit", "holder": "h", "ttl_ms": 60_000});
+        proxy.armed.store(true, Ordering::SeqCst);
+        let first = s.post_keyed("/v1/leases", "lost-1", body.clone()).await;
+        assert!(!proxy.armed.load(Ordering::SeqCst), "a COMMIT was cut");
+        assert_eq!(
+            first.status,
+            StatusCode::CREATED,
+            "the change was kept, and answered so: {}",
+            first.body
+        );
+        let again = s.post_keyed("/v1/leases", "lost-1", body).await;
+        assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
+        assert_eq!(again.body, first.body);
+        let leases = list_all(&s, "/v1/leases?state=all&resource=lost/commit").await;
+        assert_eq!(leases.len(), 1, "{leases:?}");
+        drop(s);
+        crate::stores::drop_database_of(tmp.path());
+    })
+    .await
+}

@@ -116,6 +116,11 @@ impl Server {
         self._tmp.take()
     }
 
+    /// Its data directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }

@@ -126,7 +126,56 @@ impl Exec for Tracked<'_> {
     }
 }
 
+/// BEGIN and take the fleet's write lock; the transaction's id.
+fn begin(c: &mut PgConnection) -> BoxFuture<'_, Result<i64>> {
+    Box::pin(async move {
+        let rows =
+            sqlx::Executor::fetch_all(c, "BEGIN; SELECT txid_current() FROM event_seq FOR UPDATE")
+                .await
+                .map_err(map_err)?;
+        let row = rows
+            .first()
+            .ok_or_else(|| StoreError::Other("event_seq has no row".into()))?;
+        sqlx::Row::try_get::<i64, _>(row, 0).map_err(map_err)
+    })
+}
+
+/// How long a lost COMMIT's outcome is looked for before the batch counts
+/// as failed (its requests answered `unavailable`, as before).
+const RESOLVE_FOR: Duration = Duration::from_secs(5);
+
 impl Writer {
+    /// Whether transaction `txid` committed, asked on a new connection
+    /// (`txid_status`, made for a COMMIT whose answer was lost). False when
+    /// it aborted or the database cannot tell in time.
+    async fn committed(&self, txid: i64) -> bool {
+        let deadline = tokio::time::Instant::now() + RESOLVE_FOR;
+        while tokio::time::Instant::now() < deadline {
+            let status: std::result::Result<Option<String>, sqlx::Error> = async {
+                let mut conn = self.pool.acquire().await?;
+                let fut: BoxFuture<'_, std::result::Result<Option<String>, sqlx::Error>> = Box::pin(
+                    sqlx::query_scalar("SELECT txid_status($1)")
+                        .bind(txid)
+                        .fetch_one(&mut *conn),
+                );
+                fut.await
+            }
+            .await;
+            match status.as_ref().map(Option::as_deref) {
+                Ok(Some("committed")) => return true,
+                Ok(Some("aborted") | None) => return false,
+                // Still in progress (its backend has not seen the cut yet),
+                // or the database is not back yet.
+                Ok(Some(_)) | Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        tracing::warn!(
+            txid,
+            "cannot tell whether a COMMIT whose answer was lost committed"
+        );
+        false
+    }
+
     /// Run `batch`; the jobs that did not run, to be queued again.
     async fn run_batch(&self, batch: Vec<Job>) -> Vec<Job> {
         let mut conn = match self.pool.acquire().await {
@@ -137,12 +186,17 @@ impl Writer {
                 return Vec::new();
             }
         };
-        // One round trip: a simple query may hold several statements.
-        if let Err(e) = exec(&mut conn, "BEGIN; SELECT seq FROM event_seq FOR UPDATE").await {
-            let _ = exec(&mut conn, "ROLLBACK").await;
-            fail(batch.into_iter().map(|j| j.reply), &e);
-            return Vec::new();
-        }
+        // One round trip: a simple query may hold several statements. The
+        // transaction's id tells, should the COMMIT's answer be lost,
+        // whether it committed.
+        let txid = match begin(&mut conn).await {
+            Ok(txid) => txid,
+            Err(e) => {
+                let _ = exec(&mut conn, "ROLLBACK").await;
+                fail(batch.into_iter().map(|j| j.reply), &e);
+                return Vec::new();
+            }
+        };
         let mut done = Vec::with_capacity(batch.len());
         let mut effects = Vec::new();
         let mut jobs = batch.into_iter();
@@ -199,11 +253,18 @@ impl Writer {
         if let Err(e) = committed {
             let _ = exec(&mut conn, "ROLLBACK").await;
             conn.close_on_drop();
+            drop(conn);
             // A COMMIT whose answer was lost may have committed: waiters
             // here look again (this host ignores its own notifications).
             self.listener.committed(&[Effect::Missed]);
-            fail(done.into_iter().map(|(r, _)| r), &e);
-            return Vec::new();
+            // Answered as it went: a request whose change was kept is
+            // answered so, and its retry meets its own answer, not its own
+            // lease as another's.
+            if !self.committed(txid).await {
+                fail(done.into_iter().map(|(r, _)| r), &e);
+                return Vec::new();
+            }
+            tracing::info!(txid, "a COMMIT whose answer was lost had committed");
         }
         if !effects.is_empty() {
             self.listener.committed(&effects);
