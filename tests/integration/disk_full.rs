@@ -7,7 +7,7 @@ use std::process::Command;
 use reqwest::StatusCode;
 use serde_json::json;
 
-use crate::support::Server;
+use crate::support::{Server, holders_under};
 
 /// A small tmpfs, unmounted when dropped.
 struct SmallDisk(PathBuf);
@@ -93,5 +93,77 @@ async fn a_full_disk_is_503_unavailable_and_nothing_answered_is_lost() {
         s.lease_op(id, "release", json!({"token": 1})).await.status,
         StatusCode::OK
     );
+    drop(s);
+}
+
+#[tokio::test]
+async fn spawns_on_a_full_disk_are_503_and_leave_no_child_or_half_record() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let Some(disk) = SmallDisk::mount(tmp.path()) else {
+        eprintln!("SKIPPED spawns_on_a_full_disk: cannot mount a tmpfs here (needs root)");
+        return;
+    };
+    let s = Server::start_in(tmp.path(), &[]).await;
+    disk.fill();
+
+    let spawn = json!({"kind": "disk", "command": {"argv": ["sleep", "300"]}, "metadata": {"pad": "p".repeat(15_000)}});
+    let mut answered = Vec::new();
+    let mut refused = None;
+    for _ in 0..64 {
+        let r = s.post("/v1/processes", spawn.clone()).await;
+        if r.status != StatusCode::CREATED {
+            refused = Some(r);
+            break;
+        }
+        answered.push(r.body["id"].as_str().expect("id").to_owned());
+    }
+    let r = refused.expect("some spawn must fail on a full disk");
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+    assert_eq!(r.code(), "unavailable");
+
+    // Nothing half-done: the only records are the answered ones, and every
+    // process holding a log file is one of theirs.
+    let current = s.get("/v1/processes?state=all&limit=1000").await.body;
+    let ids: Vec<&str> = current["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .filter_map(|p| p["id"].as_str())
+        .collect();
+    assert_eq!(ids.len(), answered.len(), "{current}");
+    let pids: Vec<i64> = current["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .filter_map(|p| p["pid"].as_i64())
+        .collect();
+    for pid in holders_under(&tmp.path().join("logs")) {
+        assert!(pids.contains(&i64::from(pid)), "untracked child {pid}");
+    }
+
+    disk.free();
+    let p = s
+        .spawn(json!({"kind": "disk", "command": {"argv": ["sh", "-c", "echo back"]}}))
+        .await;
+    let id = p["id"].as_str().expect("id");
+    s.eventually(
+        &format!("/v1/processes/{id}"),
+        std::time::Duration::from_secs(10),
+        |p| p["state"] == "exited",
+    )
+    .await;
+    let (status, out, _) = s.logs(id, "stream=stdout").await;
+    assert_eq!(
+        (status, out.as_str()),
+        (StatusCode::OK, "back\n"),
+        "spawns again once there is room"
+    );
+    for id in answered {
+        let p = s.process(&id).await;
+        let r = s
+            .process_op(&id, "stop", json!({"token": p["token"], "grace_ms": 0}))
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    }
     drop(s);
 }
