@@ -460,18 +460,6 @@ pub async fn exited(
     Ok(())
 }
 
-/// After a restart, a stop that was in progress is over: the record is
-/// `running` again until someone stops it anew.
-pub async fn resume(tx: &mut dyn Tx, id: &str) -> Result<()> {
-    if let Some(mut rec) = tx.process(id).await?
-        && rec.state == ProcessState::Stopping
-    {
-        rec.state = ProcessState::Running;
-        tx.update_process(&rec).await?;
-    }
-    Ok(())
-}
-
 /// Why the reconciler would claim `rec`, read inside the transaction.
 pub async fn claim_reason(
     tx: &mut dyn Tx,

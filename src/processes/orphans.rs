@@ -13,6 +13,9 @@ use crate::model::{Exit, Identity, ProcessRecord, ProcessState};
 use crate::store::StoreError;
 use crate::tx::in_tx;
 
+/// The end reason of a stop the server finished after a restart cut it.
+const CUT_STOP: &str = "stopped: the stop was cut by a restart and finished after it";
+
 /// What a reconciler pass over processes did.
 #[derive(Debug, Default)]
 pub struct Pass {
@@ -38,9 +41,9 @@ impl Processes {
             .current_processes(&self.host_id())
             .await?
         {
-            if rec.state == ProcessState::Stopping {
-                let id = rec.id.clone();
-                in_tx!(self, true, |tx, _cx| ops::resume(tx, &id))?;
+            if rec.state == ProcessState::Stopping && rec.identity.is_some() {
+                self.finish_cut_stop(rec);
+                continue;
             }
             if rec.state == ProcessState::Starting && rec.spawned {
                 self.recover_spawn(&rec).await?;
@@ -233,19 +236,64 @@ impl Processes {
         )
     }
 
-    fn stop_orphan(self: &Arc<Self>, rec: ProcessRecord) {
+    /// A stop the server was stopped in (the record is `stopping`, its
+    /// signals may have been sent): carried to its end with the API's
+    /// defaults, so that a process holdfast signalled ends `stopped`, not
+    /// `exited` when its exit is noticed. A tree that will not settle is
+    /// `running` again, and watched.
+    fn finish_cut_stop(self: &Arc<Self>, rec: ProcessRecord) {
+        self.hold(&rec.id);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let outcome = me.stop_with_defaults(&rec, "a stop cut by a restart").await;
+            let (sid, id, token) = (rec.id.clone(), rec.id.clone(), rec.token);
+            let reason = Some(CUT_STOP.to_owned());
+            match in_tx!(me, true, |tx, cx| ops::end_stop(
+                tx, cx, &sid, token, outcome, reason
+            )) {
+                Ok(Ok(_)) => tracing::info!(process = %id, "finished a stop cut by the restart"),
+                Ok(Err(e)) => {
+                    tracing::warn!(process = %id, error = ?e, "a stop cut by the restart did not end it")
+                }
+                Err(e) => {
+                    tracing::warn!(process = %id, error = %e, "recording a stop cut by the restart failed")
+                }
+            }
+            if let Ok(Some(now)) = me.store.backend().get_process(&id).await
+                && now.state == ProcessState::Running
+            {
+                me.watch(&now);
+            }
+            me.claiming
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&id);
+        });
+    }
+
+    /// Kept from the reconciler's passes while the server stops it.
+    fn hold(&self, id: &str) {
         self.claiming
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(rec.id.clone());
+            .insert(id.to_owned());
+    }
+
+    /// Stop `rec`'s tree with the API's defaults (grace, then SIGKILL).
+    async fn stop_with_defaults(&self, rec: &ProcessRecord, reason: &str) -> Stopped {
+        let params = StopParams {
+            grace: DEFAULT_GRACE,
+            force: true,
+            reason: reason.into(),
+        };
+        stop_tree(self.host.as_ref(), rec, &params).await
+    }
+
+    fn stop_orphan(self: &Arc<Self>, rec: ProcessRecord) {
+        self.hold(&rec.id);
         let me = self.clone();
         tokio::spawn(async move {
-            let params = StopParams {
-                grace: DEFAULT_GRACE,
-                force: true,
-                reason: "orphan_reconciled".into(),
-            };
-            let outcome = stop_tree(me.host.as_ref(), &rec, &params).await;
+            let outcome = me.stop_with_defaults(&rec, "orphan_reconciled").await;
             let outcome = me.with_child_exit(&rec.id, outcome).await;
             let (id, token) = (rec.id.clone(), rec.token);
             let first_failure = outcome == Stopped::NotSettled

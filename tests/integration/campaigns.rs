@@ -207,7 +207,8 @@ async fn check(s: &Server, dir: &Path, ledger: &Ledger) {
     for pid in holders_under(&dir.join("logs")) {
         let rec = tracked.get(&i64::from(pid));
         assert!(
-            rec.is_some_and(|p| p["state"] == "running"),
+            // `stopping`: a stop the kill cut, being finished.
+            rec.is_some_and(|p| p["state"] == "running" || p["state"] == "stopping"),
             "pid {pid} runs holding a log file but no running record tracks it: {rec:?}"
         );
     }

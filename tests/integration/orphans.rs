@@ -299,3 +299,50 @@ async fn a_released_lease_takes_its_processes_with_it_between_timed_passes() {
     assert_eq!(done["end_reason"], "orphan_reconciled");
     assert!(!alive(p["pid"].as_i64().expect("pid")));
 }
+
+stores!(a_stop_cut_by_a_crash_is_finished_after_the_restart_and_ends_stopped);
+async fn a_stop_cut_by_a_crash_is_finished_after_the_restart_and_ends_stopped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_in(dir.path(), &[]).await;
+    let argv = json!({"argv": ["sleep", "600"]});
+    let signalled = s.spawn(json!({"kind": "dev", "command": argv})).await;
+    let unsignalled = s.spawn(json!({"kind": "dev", "command": argv})).await;
+    s.kill9().await;
+    // As if the server had been killed inside two stops: one after its
+    // SIGTERM ended the process, one before it sent anything.
+    let pid = |p: &serde_json::Value| p["pid"].as_i64().expect("pid");
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid(&signalled).to_string()])
+        .status()
+        .expect("kill");
+    assert!(
+        crate::support::until(std::time::Duration::from_secs(10), || !alive(pid(
+            &signalled
+        )))
+        .await
+    );
+    crate::stores::execute_sql(
+        dir.path(),
+        &format!(
+            "UPDATE processes SET state = 'stopping' WHERE id IN ('{}', '{}')",
+            id(&signalled),
+            id(&unsignalled)
+        ),
+    )
+    .await;
+
+    let s = Server::start_in(dir.path(), &[]).await;
+    for p in [&signalled, &unsignalled] {
+        let path = format!("/v1/processes/{}", id(p));
+        let now = s
+            .eventually(&path, std::time::Duration::from_secs(15), |p| {
+                p["state"] != "stopping"
+            })
+            .await;
+        assert_eq!(
+            now["state"], "stopped",
+            "holdfast's own stop, finished: {now}"
+        );
+        assert!(!alive(pid(p)));
+    }
+}
