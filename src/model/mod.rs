@@ -64,7 +64,8 @@ pub enum Liveness {
     Unknown,
 }
 
-/// Why a recorded process is not `live`.
+/// Why a recorded process is not `live` (or, for `owner_unverifiable`, why
+/// a live one past its heartbeat TTL is kept).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LivenessReason {
@@ -77,6 +78,9 @@ pub enum LivenessReason {
     ProcUnreadable,
     /// Claimed before any process was confirmed for it: whether one runs is unknown.
     IdentityUnknown,
+    /// Live and past its heartbeat TTL, kept because its owner's liveness
+    /// cannot be established: an owner that cannot be checked counts as alive.
+    OwnerUnverifiable,
 }
 
 impl LivenessReason {
@@ -90,6 +94,7 @@ impl LivenessReason {
             Self::PermissionDenied => "permission_denied",
             Self::ProcUnreadable => "proc_unreadable",
             Self::IdentityUnknown => "identity_unknown",
+            Self::OwnerUnverifiable => "owner_unverifiable",
         }
     }
 }
