@@ -246,28 +246,27 @@ impl Processes {
         let me = self.clone();
         tokio::spawn(async move {
             let outcome = me.stop_with_defaults(&rec, "a stop cut by a restart").await;
-            let (sid, id, token) = (rec.id.clone(), rec.id.clone(), rec.token);
+            let (id, token) = (rec.id.clone(), rec.token);
             let reason = Some(CUT_STOP.to_owned());
             match in_tx!(me, true, |tx, cx| ops::end_stop(
-                tx, cx, &sid, token, outcome, reason
+                tx, cx, &id, token, outcome, reason
             )) {
-                Ok(Ok(_)) => tracing::info!(process = %id, "finished a stop cut by the restart"),
+                Ok(Ok(_)) => {
+                    tracing::info!(process = %rec.id, "finished a stop cut by the restart")
+                }
                 Ok(Err(e)) => {
-                    tracing::warn!(process = %id, error = ?e, "a stop cut by the restart did not end it")
+                    tracing::warn!(process = %rec.id, error = ?e, "a stop cut by the restart did not end it")
                 }
                 Err(e) => {
-                    tracing::warn!(process = %id, error = %e, "recording a stop cut by the restart failed")
+                    tracing::warn!(process = %rec.id, error = %e, "recording a stop cut by the restart failed")
                 }
             }
-            if let Ok(Some(now)) = me.store.backend().get_process(&id).await
+            if let Ok(Some(now)) = me.store.backend().get_process(&rec.id).await
                 && now.state == ProcessState::Running
             {
                 me.watch(&now);
             }
-            me.claiming
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&id);
+            me.release(&rec.id);
         });
     }
 
@@ -277,6 +276,14 @@ impl Processes {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(id.to_owned());
+    }
+
+    /// Back in the reconciler's passes.
+    fn release(&self, id: &str) {
+        self.claiming
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(id);
     }
 
     /// Stop `rec`'s tree with the API's defaults (grace, then SIGKILL).
@@ -315,10 +322,7 @@ impl Processes {
             if outcome == Stopped::NotSettled {
                 tracing::warn!(process = %rec.id, "orphan's process tree did not settle; will retry");
             }
-            me.claiming
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&rec.id);
+            me.release(&rec.id);
         });
     }
 }

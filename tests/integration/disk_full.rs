@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{Value, json};
 
-use crate::support::{Server, holders_under};
+use crate::support::{Reply, Server, holders_under};
 
 /// A small tmpfs, unmounted when dropped.
 struct SmallDisk(PathBuf);
@@ -37,6 +37,37 @@ impl SmallDisk {
     }
 }
 
+impl SmallDisk {
+    /// A data directory on a small disk for `test`, or None (and a line
+    /// saying so) where no tmpfs can be mounted.
+    fn for_test(test: &str) -> Option<(tempfile::TempDir, Self)> {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let Some(disk) = Self::mount(tmp.path()) else {
+            eprintln!("SKIPPED {test}: cannot mount a tmpfs here (needs root)");
+            return None;
+        };
+        Some((tmp, disk))
+    }
+}
+
+/// POST `body(i)` to `path`, for i = 0.., until one is not 201: the
+/// answered bodies, and that answer.
+async fn until_refused(
+    s: &Server,
+    path: &str,
+    body: impl Fn(usize) -> Value,
+) -> (Vec<Value>, Reply) {
+    let mut answered = Vec::new();
+    for i in 0..64 {
+        let r = s.post(path, body(i)).await;
+        if r.status != StatusCode::CREATED {
+            return (answered, r);
+        }
+        answered.push(r.body);
+    }
+    panic!("64 writes to {path} on a full disk all succeeded");
+}
+
 impl Drop for SmallDisk {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
@@ -45,9 +76,7 @@ impl Drop for SmallDisk {
 
 #[tokio::test]
 async fn a_full_disk_is_503_unavailable_and_nothing_answered_is_lost() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let Some(disk) = SmallDisk::mount(tmp.path()) else {
-        eprintln!("SKIPPED a_full_disk: cannot mount a tmpfs here (needs root)");
+    let Some((tmp, disk)) = SmallDisk::for_test("a_full_disk") else {
         return;
     };
     let s = Server::start_in(tmp.path(), &[]).await;
@@ -55,15 +84,10 @@ async fn a_full_disk_is_503_unavailable_and_nothing_answered_is_lost() {
     disk.fill();
 
     let meta = json!({"pad": "p".repeat(15_000)});
-    let mut refused = None;
-    for i in 0..64 {
-        let r = s.acquire(json!({"resource": format!("disk/{i}"), "holder": "h", "ttl_ms": 60_000, "metadata": meta})).await;
-        if r.status != StatusCode::CREATED {
-            refused = Some(r);
-            break;
-        }
-    }
-    let r = refused.expect("some write must fail on a full disk");
+    let (_, r) = until_refused(&s, "/v1/leases", |i| {
+        json!({"resource": format!("disk/{i}"), "holder": "h", "ttl_ms": 60_000, "metadata": meta})
+    })
+    .await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
     assert_eq!(r.code(), "unavailable");
     assert!(r.headers.contains_key("retry-after"));
@@ -98,26 +122,18 @@ async fn a_full_disk_is_503_unavailable_and_nothing_answered_is_lost() {
 
 #[tokio::test]
 async fn spawns_on_a_full_disk_are_503_and_leave_no_child_or_half_record() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let Some(disk) = SmallDisk::mount(tmp.path()) else {
-        eprintln!("SKIPPED spawns_on_a_full_disk: cannot mount a tmpfs here (needs root)");
+    let Some((tmp, disk)) = SmallDisk::for_test("spawns_on_a_full_disk") else {
         return;
     };
     let s = Server::start_in(tmp.path(), &[]).await;
     disk.fill();
 
     let spawn = json!({"kind": "disk", "command": {"argv": ["sleep", "300"]}, "metadata": {"pad": "p".repeat(15_000)}});
-    let mut answered = Vec::new();
-    let mut refused = None;
-    for _ in 0..64 {
-        let r = s.post("/v1/processes", spawn.clone()).await;
-        if r.status != StatusCode::CREATED {
-            refused = Some(r);
-            break;
-        }
-        answered.push(r.body["id"].as_str().expect("id").to_owned());
-    }
-    let r = refused.expect("some spawn must fail on a full disk");
+    let (answered, r) = until_refused(&s, "/v1/processes", |_| spawn.clone()).await;
+    let answered: Vec<String> = answered
+        .iter()
+        .map(|p| p["id"].as_str().expect("id").to_owned())
+        .collect();
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
     assert_eq!(r.code(), "unavailable");
 

@@ -253,6 +253,8 @@ impl Writer {
         if let Err(e) = committed {
             let _ = exec(&mut conn, "ROLLBACK").await;
             conn.close_on_drop();
+            // Closed now: the question goes on a connection of its own, and
+            // a full pool must not wait for this one.
             drop(conn);
             // A COMMIT whose answer was lost may have committed: waiters
             // here look again (this host ignores its own notifications).
