@@ -64,8 +64,7 @@ pub enum Liveness {
     Unknown,
 }
 
-/// Why a recorded process is not `live` (or, for `owner_unverifiable`, why
-/// a live one past its heartbeat TTL is kept).
+/// Why a recorded process is not `live`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LivenessReason {
@@ -78,9 +77,6 @@ pub enum LivenessReason {
     ProcUnreadable,
     /// Claimed before any process was confirmed for it: whether one runs is unknown.
     IdentityUnknown,
-    /// Live and past its heartbeat TTL, kept because its owner's liveness
-    /// cannot be established: an owner that cannot be checked counts as alive.
-    OwnerUnverifiable,
 }
 
 impl LivenessReason {
@@ -94,7 +90,6 @@ impl LivenessReason {
             Self::PermissionDenied => "permission_denied",
             Self::ProcUnreadable => "proc_unreadable",
             Self::IdentityUnknown => "identity_unknown",
-            Self::OwnerUnverifiable => "owner_unverifiable",
         }
     }
 }

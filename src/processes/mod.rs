@@ -404,7 +404,6 @@ impl Processes {
 
     fn view(&self, rec: ProcessRecord, ports: BTreeMap<String, u16>) -> ProcessView {
         let judged = rec.identity.as_ref().map(|i| self.host.judge(i));
-        let judged = rules::shown(&rec, judged, |o| self.host.judge(o), crate::time::now_ms());
         ProcessView::new(rec, judged, ports)
     }
 

@@ -66,7 +66,6 @@ pub async fn view(tx: &mut dyn Tx, cx: Ctx<'_>, rec: ProcessRecord) -> Result<Pr
         .map(|p| (p.name, p.port))
         .collect();
     let judged = rec.identity.as_ref().map(|i| cx.host.judge(i));
-    let judged = super::rules::shown(&rec, judged, |o| cx.host.judge(o), cx.now);
     Ok(ProcessView::new(rec, judged, ports))
 }
 

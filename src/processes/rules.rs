@@ -1,8 +1,6 @@
 //! Process lifecycle rules as pure functions of (record, what was read, now).
 
-use crate::model::{
-    Identity, Judgement, LeaseRecord, Liveness, LivenessReason, ProcessRecord, ProcessState,
-};
+use crate::model::{Judgement, LeaseRecord, Liveness, ProcessRecord, ProcessState};
 use crate::time::Millis;
 
 /// Whether a record in `state` is one the reconciler may claim at all.
@@ -51,31 +49,6 @@ pub fn kept_unverified(
         && claim_reason(rec, lease, owner, now).is_none()
         && rec.expires_at.is_some_and(|at| now >= at)
         && owner.is_some_and(|j| j.status == Liveness::Unknown)
-}
-
-/// How a record's liveness is shown: `judged` (its process's own), except
-/// that a live process kept past its heartbeat TTL because its owner cannot
-/// be checked says so, for an operator to see.
-pub fn shown(
-    rec: &ProcessRecord,
-    judged: Option<Judgement>,
-    judge_owner: impl Fn(&Identity) -> Judgement,
-    now: Millis,
-) -> Option<Judgement> {
-    let live = judged.is_some_and(|j| j.status == Liveness::Live);
-    let overdue = rec.state.is_current() && rec.expires_at.is_some_and(|at| now >= at);
-    let unverifiable = || {
-        rec.owner
-            .as_ref()
-            .is_some_and(|o| judge_owner(o).status == Liveness::Unknown)
-    };
-    if live && overdue && unverifiable() {
-        return Some(Judgement {
-            status: Liveness::Live,
-            reason: Some(LivenessReason::OwnerUnverifiable),
-        });
-    }
-    judged
 }
 
 #[cfg(test)]
