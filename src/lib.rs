@@ -148,7 +148,7 @@ impl App {
             store.backend().pruned_through().await?,
             std::sync::atomic::Ordering::SeqCst,
         );
-        let metrics = Arc::new(metrics::Metrics::default());
+        let metrics = Arc::new(metrics::Metrics::new(store.backend().write_counters()));
         let leases = leases::Leases::new(store.clone(), host.clone(), &hub, metrics.clone());
         let reaper = host::spawn::Reaper::start()?;
         let data_dir = config.data_dir();

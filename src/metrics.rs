@@ -54,8 +54,9 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
+impl Metrics {
+    /// The metrics of a server whose store counts its writes in `writes`.
+    pub fn new(writes: crate::store::group::WriteCounters) -> Self {
         let mut registry = Registry::with_prefix("holdfast");
         let m = Self {
             current_leases: Gauge::default(),
@@ -119,6 +120,16 @@ impl Default for Metrics {
             "processes_owner_unverifiable",
             "Processes kept past their heartbeat TTL because their owner cannot be verified",
             m.owner_unverifiable.clone(),
+        );
+        registry.register(
+            "store_transactions",
+            "Write transactions run by the group commit, one batch of mutations each, by sync level (full: synced to stable storage before any answer, one fsync on SQLite)",
+            writes.commits,
+        );
+        registry.register(
+            "store_transaction_jobs",
+            "Mutations run by those transactions (mutations per transaction = this / store_transactions)",
+            writes.jobs,
         );
         Self { registry, ..m }
     }

@@ -86,6 +86,14 @@ impl Waiters {
         }
     }
 
+    /// The ticket at the head of `resource`'s queue: the next to be served.
+    pub fn head(&self, resource: &str) -> Option<u64> {
+        self.lock()
+            .get(resource)
+            .and_then(|q| q.front())
+            .map(|(id, _)| *id)
+    }
+
     /// How many wait, over all resources.
     pub fn total(&self) -> usize {
         self.lock().values().map(VecDeque::len).sum()
@@ -106,6 +114,10 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     pub fn is_head(&self) -> bool {
         self.waiters
             .lock()

@@ -2,6 +2,7 @@
 //! them (`ops`), and `Leases`, which runs those scripts against the store and
 //! makes acquirers wait their turn.
 
+mod handoff;
 pub mod ops;
 #[cfg(test)]
 mod ops_tests;
@@ -20,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::model::{Identity, LeaseFilter, LeaseRecord, LeaseView, Liveness};
 use crate::store::{Store, StoreError};
 use crate::time::now_ms;
-use crate::waiters::Waiters;
+use crate::waiters::{Ticket, Waiters};
 
 /// What an acquirer asks for, validated.
 #[derive(Debug, Clone)]
@@ -101,6 +102,7 @@ pub struct Leases {
     host: Arc<dyn Host>,
     waiters: Arc<Waiters>,
     waiting: Arc<tokio::sync::Semaphore>,
+    offers: Arc<handoff::Offers>,
     metrics: Arc<Metrics>,
 }
 
@@ -116,6 +118,7 @@ impl Leases {
             host,
             waiters: hub.waiters.clone(),
             waiting: hub.waiting.clone(),
+            offers: Arc::default(),
             metrics,
         }
     }
@@ -159,7 +162,8 @@ impl Leases {
 
     /// Acquire, waiting up to `wait` (first come, first served) while the
     /// answer is `lease_held`. Waiters are woken by the end of the lease itself,
-    /// or at the holder's expiry when only its TTL can end it.
+    /// or at the holder's expiry when only its TTL can end it; a release
+    /// hands the lease to the first waiter in its own transaction (`handoff`).
     pub async fn acquire(&self, cmd: Acquire, wait: Duration) -> Result<Acquired, Error> {
         let deadline = Instant::now() + wait;
         let mut ticket = None;
@@ -168,19 +172,13 @@ impl Leases {
         if !wait.is_zero() && self.waiters.queued(&cmd.resource) > 0 {
             // Others already wait for it: first come, first served, so take
             // a place behind them before trying at all.
-            permit = Some(
-                self.waiting
-                    .clone()
-                    .try_acquire_owned()
-                    .map_err(|_| StoreError::Busy)?,
-            );
+            permit = Some(self.wait_permit()?);
             let t = ticket.insert(
                 self.waiters
                     .enqueue(&cmd.resource, self.waiters.ends_seen()),
             );
-            tokio::select! {
-                () = t.woken() => {}
-                () = tokio::time::sleep_until(deadline) => {}
+            if let Some(acquired) = self.park(t, &cmd, deadline).await {
+                return Ok(self.handed(ticket, acquired));
             }
         }
         loop {
@@ -196,12 +194,7 @@ impl Leases {
                 Err(e) => return Err(e.into()),
             };
             if permit.is_none() {
-                permit = Some(
-                    self.waiting
-                        .clone()
-                        .try_acquire_owned()
-                        .map_err(|_| StoreError::Busy)?,
-                );
+                permit = Some(self.wait_permit()?);
             }
             let t = ticket.get_or_insert_with(|| self.waiters.enqueue(&cmd.resource, seen));
             let mut until = deadline;
@@ -211,11 +204,53 @@ impl Leases {
                 let left = u64::try_from(at - now_ms() + 1).unwrap_or(0);
                 until = until.min(Instant::now() + Duration::from_millis(left));
             }
-            tokio::select! {
-                () = t.woken() => {}
-                () = tokio::time::sleep_until(until) => {}
+            if let Some(acquired) = self.park(t, &cmd, until).await {
+                return Ok(self.handed(ticket, acquired));
             }
         }
+    }
+
+    fn wait_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, StoreError> {
+        self.waiting
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| StoreError::Busy)
+    }
+
+    /// Wait in the queue until woken or `until`, offering to be handed the
+    /// lease meanwhile; Some when a release handed it over. A request with
+    /// an Idempotency-Key makes no offer: its key must be recorded in the
+    /// transaction that acquires for it, which runs as its own.
+    async fn park(&self, t: &Ticket, cmd: &Acquire, until: Instant) -> Option<Acquired> {
+        let mut parked = crate::idempotency::Claim::current()
+            .is_none()
+            .then(|| self.offers.park(t.id(), cmd.clone()));
+        let handed = async {
+            match parked.as_mut() {
+                Some(p) => p.handed().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            // Taken, granted or not: nothing is left to withdraw.
+            acquired = handed => return acquired,
+            () = t.woken() => {}
+            () = tokio::time::sleep_until(until) => {}
+        }
+        match parked {
+            Some(p) => p.withdraw().await,
+            None => None,
+        }
+    }
+
+    /// A waiter that was handed `acquired` leaves the queue.
+    fn handed(&self, ticket: Option<Ticket>, acquired: Acquired) -> Acquired {
+        if let Some(t) = ticket {
+            t.acquired();
+        }
+        self.metrics
+            .acquired(acquired.reclaimed.as_ref().map(|r| r.reason.as_str()));
+        acquired
     }
 
     pub async fn renew(
@@ -245,7 +280,37 @@ impl Leases {
     }
 
     pub async fn release(&self, id: String, token: i64) -> Result<LeaseView, Error> {
-        let out = in_tx!(self, true, |tx, cx| ops::release(tx, cx, &id, token))?;
+        if self.waiters.total() == 0 {
+            let out = in_tx!(self, true, |tx, cx| ops::release(tx, cx, &id, token))?;
+            return self.finish(out);
+        }
+        // A lease handed to a waiter must reach it even if this request
+        // goes away before the commit: the release runs in a task of its own.
+        let me = self.clone();
+        let run = async move { me.release_handing_off(id, token).await };
+        let task = match crate::idempotency::Claim::current() {
+            Some(claim) => tokio::spawn(claim.scope(run)),
+            None => tokio::spawn(run),
+        };
+        task.await
+            .map_err(|e| StoreError::Other(format!("the release task failed: {e}")))?
+    }
+
+    /// Release, and grant the lease to the first parked waiter in the same
+    /// transaction (see `handoff`).
+    async fn release_handing_off(&self, id: String, token: i64) -> Result<LeaseView, Error> {
+        let (waiters, offers) = (self.waiters.clone(), self.offers.clone());
+        let (out, handed) = in_tx!(self, true, |tx, cx| async move {
+            let out = ops::release_ending(tx, cx, &id, token).await?;
+            let handed = match &out {
+                Ok((lease, true)) => offers.grant_head(tx, cx, &waiters, &lease.resource).await?,
+                _ => None,
+            };
+            Ok((out.map(|(lease, _)| lease), handed))
+        })?;
+        if let Some(h) = handed {
+            h.deliver();
+        }
         self.finish(out)
     }
 

@@ -259,11 +259,23 @@ pub async fn release(
     id: &str,
     token: i64,
 ) -> Result<Outcome<LeaseView>> {
+    Ok(release_ending(tx, cx, id, token)
+        .await?
+        .map(|(lease, _)| lease))
+}
+
+/// `release`, and whether it ended the lease now (not a repeated release).
+pub async fn release_ending(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    id: &str,
+    token: i64,
+) -> Result<Outcome<(LeaseView, bool)>> {
     let Some(rec) = tx.lease(id).await? else {
         return Ok(Err(LeaseError::NotFound));
     };
     if rec.state == LeaseState::Released && rec.token == token {
-        return Ok(Ok(*view(&rec, judge(cx, &rec), cx.now)));
+        return Ok(Ok((*view(&rec, judge(cx, &rec), cx.now), false)));
     }
     let (mut rec, owner) = match fenced(tx, cx, rec, token).await? {
         Ok(found) => found,
@@ -279,7 +291,7 @@ pub async fn release(
         Value::Null,
     )
     .await?;
-    Ok(Ok(*view(&rec, owner, cx.now)))
+    Ok(Ok((*view(&rec, owner, cx.now), true)))
 }
 
 /// End a current lease whatever its owner's status; `by` names who asked.

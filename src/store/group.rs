@@ -7,6 +7,9 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::sync::oneshot;
 
 use super::sql_store::Writes;
@@ -33,6 +36,36 @@ pub trait Batches: Send + Sync + 'static {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SyncLabel {
+    sync: &'static str,
+}
+
+/// What the group commit did, for /metrics: the transactions it ran by sync
+/// level (`full`: synced to stable storage before the answer, one fsync on
+/// SQLite) and the jobs they ran, so that jobs per commit can be read.
+#[derive(Clone)]
+pub struct WriteCounters {
+    pub commits: Family<SyncLabel, Counter>,
+    pub jobs: Counter,
+    full: Counter,
+    normal: Counter,
+}
+
+impl Default for WriteCounters {
+    fn default() -> Self {
+        let commits = Family::<SyncLabel, Counter>::default();
+        let full = commits.get_or_create(&SyncLabel { sync: "full" }).clone();
+        let normal = commits.get_or_create(&SyncLabel { sync: "normal" }).clone();
+        Self {
+            commits,
+            jobs: Counter::default(),
+            full,
+            normal,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Queue {
     jobs: VecDeque<Job>,
@@ -47,6 +80,7 @@ pub struct GroupCommit<B> {
     /// Held by the task running batches: one batch at a time.
     lead: Arc<tokio::sync::Mutex<()>>,
     pub batches: B,
+    counters: WriteCounters,
 }
 
 /// Answer every job with `e`.
@@ -62,6 +96,7 @@ impl<B: Batches> GroupCommit<B> {
             queue: Mutex::default(),
             lead: Arc::default(),
             batches,
+            counters: WriteCounters::default(),
         })
     }
 
@@ -116,7 +151,13 @@ impl<B: Batches> GroupCommit<B> {
                 }
                 q.jobs.drain(..n).collect::<Vec<_>>()
             };
+            let (n, durable) = (batch.len(), batch.iter().any(|j| j.durable));
             let left = self.batches.run(batch).await;
+            if left.len() < n {
+                let c = &self.counters;
+                if durable { &c.full } else { &c.normal }.inc();
+                c.jobs.inc_by((n - left.len()) as u64);
+            }
             let mut q = self.queue();
             for job in left.into_iter().rev() {
                 q.jobs.push_front(job);
@@ -141,6 +182,10 @@ fn stopped() -> StoreError {
 impl<B: Batches> Writes for Arc<GroupCommit<B>> {
     fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>> {
         Box::pin(GroupCommit::write(self, durable, job))
+    }
+
+    fn counters(&self) -> WriteCounters {
+        self.counters.clone()
     }
 
     fn close(&self) -> BoxFuture<'_, ()> {

@@ -4,7 +4,7 @@
 
 mod cache;
 pub mod db;
-mod group;
+pub mod group;
 mod migrate;
 pub mod postgres;
 mod rows;
@@ -142,6 +142,8 @@ pub trait Backend: Send + Sync + 'static {
     /// Run `job` in a write transaction. `durable`: the commit must reach
     /// stable storage before the answer (false only for renewals).
     fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>>;
+    /// What the writer did so far, shared with /metrics.
+    fn write_counters(&self) -> group::WriteCounters;
     fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
     fn list_leases<'a>(
         &'a self,

@@ -16,6 +16,7 @@ use crate::time::Millis;
 /// How a store runs its write transactions.
 pub trait Writes: Send + Sync + 'static {
     fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>>;
+    fn counters(&self) -> super::group::WriteCounters;
     /// Refuse new writes, finish the queued ones, and close.
     fn close(&self) -> BoxFuture<'_, ()>;
 }
@@ -50,6 +51,10 @@ macro_rules! read {
 impl<D: Db> Backend for SqlStore<D> {
     fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>> {
         self.writes.write(durable, job)
+    }
+
+    fn write_counters(&self) -> super::group::WriteCounters {
+        self.writes.counters()
     }
 
     fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {

@@ -167,3 +167,126 @@ async fn waiters_get_the_lease_first_come_first_served() {
         );
     }
 }
+
+/// POST an acquire of `resource` that waits up to 30 s, with `key` as its
+/// Idempotency-Key if given; its status and body.
+fn waiter(
+    s: &Server,
+    resource: &str,
+    holder: &str,
+    key: Option<&str>,
+) -> tokio::task::JoinHandle<(StatusCode, serde_json::Value)> {
+    let mut req = s.client.post(s.url("/v1/leases")).json(
+        &json!({"resource": resource, "holder": holder, "ttl_ms": 30_000, "wait_ms": 30_000}),
+    );
+    if let Some(k) = key {
+        req = req.header("idempotency-key", k);
+    }
+    tokio::spawn(async move {
+        let r = req.send().await.expect("send");
+        (r.status(), r.json().await.expect("json"))
+    })
+}
+
+/// Until the server counts `n` waiting acquirers.
+async fn queued(s: &Server, n: usize) {
+    let line = format!("holdfast_lease_waiters {n}");
+    s.eventually("/metrics", Duration::from_secs(10), |m| {
+        m.as_str().is_some_and(|t| t.contains(&line))
+    })
+    .await;
+}
+
+/// Durable write transactions the server has run so far.
+async fn durable_transactions(s: &Server) -> u64 {
+    let m = s.get("/metrics").await.body;
+    let text = m.as_str().expect("metrics text");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("holdfast_store_transactions_total{sync=\"full\"}"))
+        .unwrap_or_else(|| panic!("no durable transaction counter in:\n{text}"));
+    line.rsplit(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .expect("a count")
+}
+
+stores!(a_release_hands_the_lease_to_the_first_waiter_in_one_commit);
+async fn a_release_hands_the_lease_to_the_first_waiter_in_one_commit() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let held = s.acquire_ok("h", "first").await;
+    let second = waiter(&s, "h", "second", None);
+    queued(&s, 1).await;
+    let third = waiter(&s, "h", "third", None);
+    queued(&s, 2).await;
+    let before = durable_transactions(&s).await;
+    let id = held["id"].as_str().expect("id");
+    let released = s.lease_op(id, "release", json!({"token": 1})).await;
+    assert_eq!(released.status, StatusCode::OK);
+    let (status, got) = second.await.expect("waiter");
+    assert_eq!(status, StatusCode::CREATED, "{got}");
+    assert_eq!(
+        (got["holder"].as_str(), got["token"].as_i64()),
+        (Some("second"), Some(2))
+    );
+    assert_eq!(
+        durable_transactions(&s).await - before,
+        1,
+        "the release and the waiter's acquire are one commit"
+    );
+    let events = s.all_events().await;
+    let last: Vec<_> = events[events.len() - 2..]
+        .iter()
+        .map(|e| (e["type"].as_str(), e["lease"]["id"].as_str()))
+        .collect();
+    assert_eq!(
+        last,
+        [
+            (Some("lease.released"), Some(id)),
+            (Some("lease.acquired"), got["id"].as_str())
+        ]
+    );
+    queued(&s, 1).await; // the third still waits, for the second's lease
+    assert!(!third.is_finished());
+    let rel = s
+        .lease_op(
+            got["id"].as_str().expect("id"),
+            "release",
+            json!({"token": 2}),
+        )
+        .await;
+    assert_eq!(rel.status, StatusCode::OK);
+    let (status, got) = third.await.expect("waiter");
+    assert_eq!(
+        (status, got["token"].as_i64()),
+        (StatusCode::CREATED, Some(3))
+    );
+}
+
+stores!(a_waiter_with_an_idempotency_key_takes_the_lease_in_its_own_commit);
+async fn a_waiter_with_an_idempotency_key_takes_the_lease_in_its_own_commit() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let held = s.acquire_ok("k", "first").await;
+    let keyed = waiter(&s, "k", "second", Some("handoff-key-1"));
+    queued(&s, 1).await;
+    let id = held["id"].as_str().expect("id");
+    let released = s.lease_op(id, "release", json!({"token": 1})).await;
+    assert_eq!(released.status, StatusCode::OK);
+    let (status, got) = keyed.await.expect("waiter");
+    assert_eq!(
+        (status, got["token"].as_i64()),
+        (StatusCode::CREATED, Some(2))
+    );
+    // Its key was recorded with its acquire: a repeat replays the lease.
+    let again = s
+        .post_keyed(
+            "/v1/leases",
+            "handoff-key-1",
+            json!({"resource": "k", "holder": "second", "ttl_ms": 30_000, "wait_ms": 30_000}),
+        )
+        .await;
+    assert_eq!(
+        (again.status, &again.body["id"]),
+        (StatusCode::CREATED, &got["id"])
+    );
+}
