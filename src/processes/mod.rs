@@ -349,19 +349,22 @@ impl Processes {
         stop::kill_tree(self.host.as_ref(), ident, pgid, why);
     }
 
+    /// The exit of record `id`'s process, when it is our own child.
+    fn exit_watch(&self, id: &str) -> Option<stop::Reaped> {
+        self.exits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .cloned()
+    }
+
     /// The stop's outcome, with the exit status of our own child once the
     /// reaper has it.
     async fn with_child_exit(&self, id: &str, outcome: Stopped) -> Stopped {
         if outcome != Stopped::Settled(Exit::default()) {
             return outcome;
         }
-        let watch = self
-            .exits
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(id)
-            .cloned();
-        let Some(mut watch) = watch else {
+        let Some(mut watch) = self.exit_watch(id) else {
             return outcome;
         };
         match tokio::time::timeout(CHILD_EXIT_WAIT, watch.wait_for(Option::is_some)).await {
@@ -518,14 +521,20 @@ impl Processes {
     ) -> Result<ProcessView, Error> {
         let (own, host_id) = (self.own, self.host_id());
         let sid = id.clone();
-        let start = in_tx!(self, true, |tx, cx| ops::begin_stop(
+        // Marking it `stopping` need not reach the disk before the signal:
+        // a crash of holdfast keeps it (the WAL is written either way), and
+        // a power loss, which might not, ends the process too. A stop that
+        // ends the record at once makes its own transaction durable, and
+        // the stop's answer waits for the durable commit of its end.
+        let start = in_tx!(self, false, |tx, cx| ops::begin_stop(
             tx, cx, &sid, token, own, &host_id, caller
         ))??;
         let rec = match start {
             StopStart::Done(view) => return Ok(view),
             StopStart::Signal(rec) => rec,
         };
-        let outcome = stop_tree(self.host.as_ref(), &rec, &params).await;
+        let reaped = self.exit_watch(&id);
+        let outcome = stop_tree(self.host.as_ref(), &rec, &params, reaped).await;
         let outcome = self.with_child_exit(&id, outcome).await;
         let reason = Some(params.reason);
         Ok(in_tx!(self, true, |tx, cx| ops::end_stop(

@@ -293,7 +293,7 @@ impl Processes {
             force: true,
             reason: reason.into(),
         };
-        stop_tree(self.host.as_ref(), rec, &params).await
+        stop_tree(self.host.as_ref(), rec, &params, None).await
     }
 
     fn stop_orphan(self: &Arc<Self>, rec: ProcessRecord) {

@@ -102,16 +102,25 @@ fn gone(host: &dyn Host, ident: &Identity, pgid: Option<i32>) -> bool {
     leader_gone && !pgid.is_some_and(signal::group_alive)
 }
 
+/// Our own child's exit, once the reaper has collected it.
+pub type Reaped = tokio::sync::watch::Receiver<Option<Exit>>;
+
 async fn settled_within(
     host: &dyn Host,
     ident: &Identity,
     pgid: Option<i32>,
     within: Duration,
     leader: Option<OwnedFd>,
+    reaped: Option<&mut Reaped>,
 ) -> bool {
     let deadline = Instant::now() + within;
     if let Some(fd) = leader {
         let _ = tokio::time::timeout_at(deadline, crate::host::watch::exited(fd)).await;
+    }
+    // Our child stays a zombie, and its group alive, until the reaper has
+    // collected it: wait for that instead of polling for it.
+    if let Some(r) = reaped {
+        let _ = tokio::time::timeout_at(deadline, r.wait_for(Option::is_some)).await;
     }
     let mut pause = Duration::from_millis(1);
     loop {
@@ -136,8 +145,14 @@ pub fn kill_tree(host: &dyn Host, ident: &Identity, pgid: Option<i32>, reason: &
     )
 }
 
-/// Stop the process of `rec` and, when it leads one, its process group.
-pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> Stopped {
+/// Stop the process of `rec` and, when it leads one, its process group;
+/// `reaped`, when it is our own child.
+pub async fn stop_tree(
+    host: &dyn Host,
+    rec: &ProcessRecord,
+    p: &StopParams,
+    mut reaped: Option<Reaped>,
+) -> Stopped {
     let Some(ident) = &rec.identity else {
         return Stopped::Settled(Exit::default());
     };
@@ -148,7 +163,7 @@ pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> 
         Sent::Signalled(fd) => fd,
         Sent::Failed => None,
     };
-    if settled_within(host, ident, pgid, p.grace, leader).await {
+    if settled_within(host, ident, pgid, p.grace, leader, reaped.as_mut()).await {
         return Stopped::Settled(Exit::default());
     }
     if !p.force {
@@ -160,7 +175,7 @@ pub async fn stop_tree(host: &dyn Host, rec: &ProcessRecord, p: &StopParams) -> 
         Sent::Signalled(fd) => fd,
         Sent::Failed => None,
     };
-    if settled_within(host, ident, pgid, KILL_WAIT, leader).await {
+    if settled_within(host, ident, pgid, KILL_WAIT, leader, reaped.as_mut()).await {
         Stopped::Settled(Exit::default())
     } else {
         Stopped::NotSettled
