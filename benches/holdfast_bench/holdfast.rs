@@ -1,0 +1,259 @@
+//! holdfast: its workload clients, the server the bench starts, its PostgreSQL
+//! database, and its durable-commit counter.
+
+use std::path::Path;
+use std::time::Instant;
+
+use reqwest::{Client, StatusCode};
+use rustix::process::Signal;
+use serde_json::{Value, json};
+use tokio::process::Command;
+
+use crate::ctx;
+use crate::process::{self, Started};
+use crate::stats::Stats;
+
+/// The lease and process endpoints of one server, over the shared client.
+#[derive(Clone)]
+pub struct Api {
+    pub client: Client,
+    pub base: String,
+}
+
+impl Api {
+    /// POSTs JSON; the status and the JSON body (Null when not JSON) of the answer.
+    async fn post(&self, path: &str, body: Value) -> Result<(StatusCode, Value), reqwest::Error> {
+        let url = format!("{}{path}", self.base);
+        let resp = self.client.post(url).json(&body).send().await?;
+        let status = resp.status();
+        let bytes = resp.bytes().await?; // read it all so the connection is reused
+        let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Ok((status, json))
+    }
+
+    /// Creates a lease or process: Some((id, token)) on 201, None on anything else.
+    async fn create(&self, path: &str, body: &Value) -> Option<(String, i64)> {
+        match self.post(path, body.clone()).await {
+            Ok((StatusCode::CREATED, v)) => Some((v["id"].as_str()?.into(), v["token"].as_i64()?)),
+            _ => None,
+        }
+    }
+
+    /// True on 200.
+    async fn renew(&self, id: &str, token: i64, ttl_ms: u64) -> bool {
+        let body = json!({"token": token, "ttl_ms": ttl_ms});
+        let answer = self.post(&format!("/v1/leases/{id}/renew"), body).await;
+        matches!(answer, Ok((StatusCode::OK, _)))
+    }
+
+    /// True on 200.
+    async fn release(&self, id: &str, token: i64) -> bool {
+        let body = json!({"token": token});
+        let answer = self.post(&format!("/v1/leases/{id}/release"), body).await;
+        matches!(answer, Ok((StatusCode::OK, _)))
+    }
+
+    /// True on 200 with the process `stopped`.
+    async fn stop(&self, id: &str, token: i64) -> bool {
+        let body = json!({"token": token, "grace_ms": 5000});
+        let answer = self.post(&format!("/v1/processes/{id}/stop"), body).await;
+        matches!(answer, Ok((StatusCode::OK, v)) if v["state"] == "stopped")
+    }
+
+    /// The durable commits so far: the samples with `sync="full"` of the counter
+    /// `holdfast_store_transactions_total` (the group commit's write transactions; the
+    /// name `holdfast_store_commits_total` is read too) in GET /metrics. 0 while the
+    /// family is there without such a sample; None when the server does not export it.
+    pub async fn durable_commits(&self) -> Option<f64> {
+        const FAMILIES: [&str; 2] = ["holdfast_store_transactions", "holdfast_store_commits"];
+        let resp = self.client.get(format!("{}/metrics", self.base)).send();
+        let text = resp
+            .await
+            .ok()?
+            .error_for_status()
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        let mut found = None;
+        for line in text.lines() {
+            if let Some(family) = line.strip_prefix("# TYPE ")
+                && FAMILIES
+                    .iter()
+                    .any(|f| family.split_whitespace().next() == Some(f))
+            {
+                found = found.or(Some(0.0));
+            }
+            let sample = FAMILIES.iter().find_map(|f| {
+                let labels = line.strip_prefix(f)?.strip_prefix("_total{")?;
+                labels.split_once('}')
+            });
+            if let Some((labels, value)) = sample
+                && labels.split(',').any(|l| l.trim() == "sync=\"full\"")
+                && let Ok(n) = value.trim().parse::<f64>()
+            {
+                found = Some(found.unwrap_or(0.0) + n);
+            }
+        }
+        found
+    }
+}
+
+pub async fn churn_client(api: Api, resource: String, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let body = json!({"resource": resource, "holder": "bench-churn", "ttl_ms": 30000});
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let ok = match api.create("/v1/leases", &body).await {
+            Some((id, token)) => {
+                let renewed = api.renew(&id, token, 30000).await;
+                api.release(&id, token).await && renewed // release even if renew failed
+            }
+            None => false,
+        };
+        if ok {
+            stats.record(started.elapsed());
+        } else {
+            stats.fail().await;
+        }
+    }
+    stats
+}
+
+pub async fn renew_client(api: Api, resource: String, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let body = json!({"resource": resource, "holder": "bench-renew", "ttl_ms": 60000});
+    let Some((id, token)) = api.create("/v1/leases", &body).await else {
+        stats.errors += 1;
+        return stats;
+    };
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        if api.renew(&id, token, 60000).await {
+            stats.record(started.elapsed());
+        } else {
+            stats.fail().await;
+        }
+    }
+    if !api.release(&id, token).await {
+        stats.errors += 1;
+    }
+    stats
+}
+
+pub async fn contended_client(api: Api, resource: String, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let body = json!({"resource": resource, "holder": "bench-contended",
+                      "ttl_ms": 30000, "wait_ms": 60000});
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let Some((id, token)) = api.create("/v1/leases", &body).await else {
+            stats.lose().await;
+            continue;
+        };
+        let waited = started.elapsed();
+        if api.release(&id, token).await {
+            stats.record(waited);
+        } else {
+            stats.fail().await;
+        }
+    }
+    stats
+}
+
+pub async fn spawn_client(api: Api, deadline: Instant) -> Stats {
+    let mut stats = Stats::default();
+    let body = json!({"kind": "bench", "command": {"argv": ["/bin/sleep", "600"]}});
+    while Instant::now() < deadline {
+        let started = Instant::now();
+        let ok = match api.create("/v1/processes", &body).await {
+            Some((id, token)) => api.stop(&id, token).await,
+            None => false,
+        };
+        if ok {
+            stats.record(started.elapsed());
+        } else {
+            stats.fail().await;
+        }
+    }
+    stats
+}
+
+/// Starts the release binary on a free port with a fresh temp data dir and no
+/// `HOLDFAST_*` variables; returns it and its base URL.
+pub fn start_server(database: Option<&str>) -> Result<(Started, String), String> {
+    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/holdfast");
+    if !bin.is_file() {
+        let shown = bin.display();
+        return Err(format!(
+            "{shown} not found: run `cargo build --release` first"
+        ));
+    }
+    let &[port] = process::free_ports(1)?.as_slice() else {
+        return Err("no free port".into());
+    };
+    let data_dir = ctx(tempfile::TempDir::new(), "cannot create a temp dir")?;
+    let mut cmd = Command::new(&bin);
+    let listen = format!("127.0.0.1:{port}");
+    cmd.args(["serve", "--listen", &listen, "--data-dir"])
+        .arg(data_dir.path());
+    if let Some(url) = database {
+        cmd.args(["--database", url]);
+    }
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("HOLDFAST_") {
+            cmd.env_remove(key);
+        }
+    }
+    let server = Started::spawn("holdfast", cmd, data_dir, "server.log", Signal::KILL)?;
+    Ok((server, format!("http://{listen}")))
+}
+
+/// Polls GET /readyz until it answers 200 (see `process::wait_ready`).
+pub async fn wait_ready(api: &Api, server: Option<&mut Started>) -> Result<(), String> {
+    let url = format!("{}/readyz", api.base);
+    process::wait_ready(&url, server, || async {
+        let answer = api.client.get(&url).send().await;
+        match answer {
+            Ok(r) if r.status() == StatusCode::OK => Ok(()),
+            Ok(r) => Err(format!("it answered {}", r.status())),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await
+}
+
+/// A fresh database for a bench server on the PostgreSQL server `base`.
+pub async fn create_database(base: &str, name: &str) -> Result<String, String> {
+    use sqlx::Connection;
+    let admin = format!("{base}/postgres");
+    let mut c = ctx(
+        sqlx::PgConnection::connect(&admin).await,
+        format!("cannot reach {base}"),
+    )?;
+    let create = sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut c)
+        .await;
+    ctx(create, "cannot create the bench database")?;
+    Ok(format!("{base}/{name}"))
+}
+
+pub async fn drop_database(base: &str, name: &str) {
+    use sqlx::Connection;
+    if let Ok(mut c) = sqlx::PgConnection::connect(&format!("{base}/postgres")).await {
+        let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+        if let Err(e) = sqlx::query(&sql).execute(&mut c).await {
+            eprintln!("holdfast-bench: could not drop {name}: {e}");
+        }
+    }
+}
+
+/// Requests a successful operation of `workload` made (for requests per commit).
+pub fn requests_per_op(workload: crate::Workload) -> u64 {
+    match workload {
+        crate::Workload::Churn => 3,     // acquire, renew, release
+        crate::Workload::Renew => 1,     // renew
+        crate::Workload::Contended => 2, // acquire (waiting), release
+        crate::Workload::Spawn => 2,     // spawn, stop
+    }
+}

@@ -1,0 +1,419 @@
+//! Load benchmark for the holdfast lease and process API (a program, not a timed test),
+//! optionally side by side with an anchor service (etcd, supervisord).
+//!
+//! Run it with:
+//!
+//! ```text
+//! cargo build --release
+//! cargo bench --bench holdfast-bench -- [--url http://127.0.0.1:7427] \
+//!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn] \
+//!     [--stores sqlite,postgres] [--postgres postgres://postgres@127.0.0.1:5432] \
+//!     [--against etcd,supervisord]
+//! ```
+//!
+//! `--stores` (without `--url`) starts one server per store and runs every
+//! workload and C on each in turn, so the stores are compared in the same run
+//! under the same machine load. For `postgres` the bench creates a database
+//! `holdfast_bench_<run id>` on the `--postgres` server and drops it at the end.
+//!
+//! Without `--url` the bench builds nothing: it starts `target/release/holdfast serve`
+//! (run `cargo build --release` first) on a free loopback port with a fresh temporary
+//! data dir and no `HOLDFAST_*` variables, waits for `/readyz`, and kills it at the end
+//! (and what it spawned); the server's output goes to `server.log` in that dir. With
+//! `--url` it uses that server; resource names carry a run id, so reruns against it do
+//! not collide.
+//!
+//! `--against etcd,supervisord` (either or both) also starts each anchor the same
+//! way (free loopback ports, fresh temp dir; `scripts/bench-anchors` installs them)
+//! and runs each point (workload and C) on every holdfast store and then on the
+//! anchors of that workload, in turn; after each point it prints one line per store
+//! and anchor: `ratio <workload> C=<c> holdfast/<store> / <anchor> = X.XXx`. etcd
+//! (`etcd.rs`, v3 JSON gateway, fsync on) is the anchor of churn, renew and
+//! contended; supervisord (`supervisord.rs`, XML-RPC) of spawn.
+//!
+//! Each workload runs for `--seconds` with C concurrent client tasks, for each C:
+//! - `churn`: each client loops acquire (201), renew (200), release (200) on its own
+//!   resource; reports cycles/s and p50/p99 latency of a whole 3-request cycle.
+//! - `renew`: each client acquires its own lease once, then renews it back to back;
+//!   reports renewals/s and p50/p99 per renewal; releases it at the end.
+//! - `contended`: all C clients acquire ONE resource with `wait_ms` 60000 and release
+//!   it at once on 201; reports handoffs/s, p50/p99 of the acquire latency (waiting
+//!   included) and `lost`, the acquires that did not answer 201 (target: zero). After
+//!   `--seconds` no new acquire starts; those in flight finish.
+//! - `spawn`: each client loops spawn (`POST /v1/processes` with argv
+//!   `/bin/sleep 600`, 201) and stop (`grace_ms` 5000, 200 and `stopped`); reports
+//!   cycles/s and p50/p99 of a whole spawn+stop cycle. Right before it, for the same C
+//!   and duration, `spawn-ref` measures the bench's own fork+exec+wait of `/bin/true`
+//!   in C blocking threads; each spawn line gives its rate as a ratio of that one.
+//!
+//! `errors` counts unexpected statuses and failed requests (the bench never panics on
+//! one). Rates divide by the wall time until the last client finished. When the bench
+//! started the server, the line ends with `cpu X.XX ms/op`: the server's CPU time
+//! (user + system, from /proc/<pid>/stat) over the run per operation. A holdfast line
+//! ends with `ops/commit X.X`: requests answered (3 per churn cycle, 2 per hand-off or
+//! spawn cycle, 1 per renewal) per durable commit, from the change of
+//! `holdfast_store_commits_total{sync="full"}` in GET /metrics over the run (`-` when
+//! the server does not export it). When the bench starts the servers, they share with
+//! it the CPUs that `nproc` reports in the header. Ctrl-C or SIGTERM stops the run and
+//! everything the bench started.
+
+mod etcd;
+mod holdfast;
+mod process;
+mod reference;
+mod report;
+mod stats;
+mod supervisord;
+mod target;
+
+use std::fmt::Display;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use reqwest::Client;
+
+use crate::target::{Endpoint, Target};
+
+const USAGE: &str = "usage: cargo bench --bench holdfast-bench -- [--url URL] \
+    [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn] \
+    [--stores sqlite,postgres] [--postgres URL] [--against etcd,supervisord]";
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    Churn,
+    Renew,
+    Contended,
+    Spawn,
+}
+
+impl Workload {
+    const ALL: [Workload; 4] = [
+        Workload::Churn,
+        Workload::Renew,
+        Workload::Contended,
+        Workload::Spawn,
+    ];
+
+    /// Its name and the unit of its rate.
+    pub fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            Workload::Churn => ("churn", "cycles/s"),
+            Workload::Renew => ("renew", "renewals/s"),
+            Workload::Contended => ("contended", "handoffs/s"),
+            Workload::Spawn => ("spawn", "cycles/s"),
+        }
+    }
+}
+
+/// A service that holdfast is measured against.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Anchor {
+    Etcd,
+    Supervisord,
+}
+
+impl Anchor {
+    const ALL: [Anchor; 2] = [Anchor::Etcd, Anchor::Supervisord];
+
+    /// Its name, its binary and the Debian package that has it.
+    fn names(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            Anchor::Etcd => ("etcd", "etcd", "etcd-server"),
+            Anchor::Supervisord => ("supervisord", "supervisord", "supervisor"),
+        }
+    }
+}
+
+struct Args {
+    url: Option<String>,
+    stores: Vec<String>,
+    postgres: String,
+    concurrency: Vec<usize>,
+    seconds: f64,
+    workloads: Vec<Workload>,
+    against: Vec<Anchor>,
+}
+
+/// Adds what failed to an error, for `?` on setup steps.
+pub fn ctx<T, E: Display>(r: Result<T, E>, what: impl Display) -> Result<T, String> {
+    r.map_err(|e| format!("{what}: {e}"))
+}
+
+fn parse_list<T>(v: &str, item: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, String> {
+    let bad = |s: &str| format!("bad list item {s:?}");
+    v.split(',')
+        .map(|s| item(s.trim()).ok_or_else(|| bad(s)))
+        .collect()
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        url: None,
+        stores: vec!["sqlite".into()],
+        postgres: "postgres://postgres@127.0.0.1:5432".into(),
+        concurrency: vec![1, 8, 64],
+        seconds: 5.0,
+        workloads: Workload::ALL.to_vec(),
+        against: Vec::new(),
+    };
+    let mut it = std::env::args().skip(1).filter(|a| a != "--bench"); // added by cargo bench
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or(format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--url" => args.url = Some(value.trim_end_matches('/').to_string()),
+            "--postgres" => args.postgres = value.trim_end_matches('/').to_string(),
+            "--stores" => {
+                let known = |s: &str| ["sqlite", "postgres"].contains(&s).then(|| s.to_owned());
+                args.stores = ctx(parse_list(&value, known), "--stores")?;
+            }
+            "--seconds" => match value.parse::<f64>() {
+                Ok(s) if s.is_finite() && s > 0.0 => args.seconds = s,
+                _ => return Err(format!("--seconds: {value:?} is not a positive number")),
+            },
+            "--concurrency" => {
+                let positive = |s: &str| s.parse::<usize>().ok().filter(|&n| n > 0);
+                args.concurrency = ctx(parse_list(&value, positive), "--concurrency")?;
+            }
+            "--workload" => {
+                let known = |s: &str| Workload::ALL.into_iter().find(|w| w.labels().0 == s);
+                args.workloads = ctx(parse_list(&value, known), "--workload")?;
+            }
+            "--against" => {
+                let known = |s: &str| Anchor::ALL.into_iter().find(|a| a.names().0 == s);
+                let mut against = ctx(parse_list(&value, known), "--against")?;
+                against.sort_by_key(|&a| a as u8);
+                against.dedup();
+                args.against = against;
+            }
+            _ => return Err(format!("unknown argument {flag:?}")),
+        }
+    }
+    if args.url.is_some() && args.stores.len() > 1 {
+        return Err("--url measures one server: give --stores only without it".into());
+    }
+    Ok(args)
+}
+
+/// The servers of one run, and the databases made for them: what the end removes,
+/// however the run ends.
+#[derive(Default)]
+struct Bench {
+    targets: Vec<Target>,
+    databases: Vec<String>,
+}
+
+impl Bench {
+    /// Starts (or, with `--url`, reaches) every server and waits until each is ready.
+    async fn setup(&mut self, args: &Args, client: &Client, run_id: &str) -> Result<(), String> {
+        let mut anchors = Vec::new();
+        for &anchor in &args.against {
+            let (_, bin, package) = anchor.names();
+            anchors.push((anchor, process::find_anchor(bin, package)?));
+        }
+        if let Some(url) = &args.url {
+            let store = args.stores.first().cloned().unwrap_or_default();
+            self.targets.push(Target {
+                label: store,
+                url: url.clone(),
+                version: None,
+                endpoint: Endpoint::Holdfast(holdfast::Api {
+                    client: client.clone(),
+                    base: url.clone(),
+                }),
+                server: None,
+            });
+        } else {
+            for store in &args.stores {
+                let database = match store.as_str() {
+                    "postgres" => {
+                        let name = format!("holdfast_bench_{run_id}");
+                        let url = holdfast::create_database(&args.postgres, &name).await?;
+                        self.databases.push(name);
+                        Some(url)
+                    }
+                    _ => None,
+                };
+                let (server, url) = holdfast::start_server(database.as_deref())?;
+                self.targets.push(Target {
+                    label: store.clone(),
+                    url: url.clone(),
+                    version: None,
+                    endpoint: Endpoint::Holdfast(holdfast::Api {
+                        client: client.clone(),
+                        base: url,
+                    }),
+                    server: Some(server),
+                });
+            }
+        }
+        for (anchor, bin) in anchors {
+            let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
+            let (server, url, endpoint) = match anchor {
+                Anchor::Etcd => {
+                    let (server, url) = etcd::start(&bin)?;
+                    let etcd = etcd::Etcd {
+                        client: client.clone(),
+                        base: url.clone(),
+                    };
+                    (server, url, Endpoint::Etcd(etcd))
+                }
+                Anchor::Supervisord => {
+                    let (server, url) = supervisord::start(&bin, max_c)?;
+                    let rpc = supervisord::Rpc {
+                        client: client.clone(),
+                        url: url.clone(),
+                    };
+                    (server, url, Endpoint::Supervisord(rpc))
+                }
+            };
+            self.targets.push(Target {
+                label: anchor.names().0.into(),
+                url,
+                version: None,
+                endpoint,
+                server: Some(server),
+            });
+        }
+        for t in &mut self.targets {
+            t.version = match &t.endpoint {
+                Endpoint::Holdfast(api) => {
+                    holdfast::wait_ready(api, t.server.as_mut()).await?;
+                    None
+                }
+                Endpoint::Etcd(etcd) => {
+                    let server = t.server.as_mut().ok_or("etcd: not started")?;
+                    Some(etcd::wait_ready(etcd, server).await?)
+                }
+                Endpoint::Supervisord(rpc) => {
+                    let server = t.server.as_mut().ok_or("supervisord: not started")?;
+                    Some(supervisord::wait_ready(rpc, server).await?)
+                }
+            };
+        }
+        Ok(())
+    }
+
+    /// Every point in turn on every target that runs its workload, with the ratios.
+    async fn measure(&self, args: &Args, run_id: &str) {
+        for t in &self.targets {
+            let ours = if t.server.is_some() { "yes" } else { "no" };
+            let (name, url) = (&t.label, &t.url);
+            match &t.version {
+                None => println!("holdfast-bench: {name} server {url}, started by bench: {ours}"),
+                Some(v) => {
+                    let runs: Vec<_> = (Workload::ALL.into_iter())
+                        .filter(|&w| t.supports(w))
+                        .map(|w| w.labels().0)
+                        .collect();
+                    let runs = runs.join(", ");
+                    println!(
+                        "holdfast-bench: {name} {v} server {url}, started by bench: {ours} \
+                         (anchor of {runs})"
+                    );
+                }
+            }
+        }
+        let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
+        let secs = args.seconds;
+        let shared = if args.url.is_none() || !args.against.is_empty() {
+            " (shared by bench and servers)"
+        } else {
+            ""
+        };
+        println!("nproc {nproc}{shared}, run id {run_id}, {secs} s per run\n");
+        for &workload in &args.workloads {
+            for &c in &args.concurrency {
+                let reference = match workload {
+                    Workload::Spawn => reference::spawn_reference(c, secs).await,
+                    _ => f64::NAN,
+                };
+                let mut rates = Vec::new();
+                for t in self.targets.iter().filter(|t| t.supports(workload)) {
+                    let rate = t.measure(workload, c, secs, run_id, reference).await;
+                    rates.push((t, rate));
+                }
+                let name = workload.labels().0;
+                let mut ratios = false;
+                for (anchor, theirs) in rates.iter().filter(|(t, _)| t.is_anchor()) {
+                    for (store, ours) in rates.iter().filter(|(t, _)| !t.is_anchor()) {
+                        report::ratio(name, c, &store.label, *ours, &anchor.label, *theirs);
+                        ratios = true;
+                    }
+                }
+                if ratios {
+                    println!();
+                }
+            }
+        }
+    }
+
+    /// Stops every server the bench started, then drops its databases.
+    async fn teardown(self, args: &Args) {
+        for t in self.targets {
+            if let Some(server) = t.server {
+                server.stop().await;
+            }
+        }
+        for name in self.databases {
+            holdfast::drop_database(&args.postgres, &name).await;
+        }
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM, with the signal's name.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        return std::future::pending().await;
+    };
+    let Ok(mut int) = signal(SignalKind::interrupt()) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let client = Client::builder()
+        .pool_max_idle_per_host(256)
+        .tcp_nodelay(true)
+        .timeout(Duration::from_secs(90)) // longer than the 60 s contended wait
+        .build();
+    let client = ctx(client, "cannot build the HTTP client")?;
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let run_id = format!("{nanos:x}");
+
+    let mut bench = Bench::default();
+    let result = tokio::select! {
+        r = async {
+            bench.setup(&args, &client, &run_id).await?;
+            bench.measure(&args, &run_id).await;
+            Ok(())
+        } => r,
+        signal = interrupted() => Err(format!("stopped by {signal}")),
+    };
+    bench.teardown(&args).await;
+    result
+}
+
+fn main() -> ExitCode {
+    let result = parse_args()
+        .map_err(|e| format!("{e}\n{USAGE}"))
+        .and_then(|args| {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build();
+            ctx(runtime, "cannot start the tokio runtime")?.block_on(run(args))
+        });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("holdfast-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! One server under load (a holdfast store or an anchor) and one measured run on it.
+
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+
+use crate::process::Started;
+use crate::stats::{Stats, merge};
+use crate::{Workload, etcd, holdfast, report, supervisord};
+
+/// How the bench talks to a server.
+pub enum Endpoint {
+    Holdfast(holdfast::Api),
+    Etcd(etcd::Etcd),
+    Supervisord(supervisord::Rpc),
+}
+
+pub struct Target {
+    /// The store (`sqlite`, `postgres`) of a holdfast, else the anchor's name.
+    pub label: String,
+    /// Where it answers (shown in the header).
+    pub url: String,
+    /// An anchor's version, once it is ready.
+    pub version: Option<String>,
+    pub endpoint: Endpoint,
+    /// The process, when the bench started it.
+    pub server: Option<Started>,
+}
+
+impl Target {
+    pub fn is_anchor(&self) -> bool {
+        !matches!(self.endpoint, Endpoint::Holdfast(_))
+    }
+
+    pub fn supports(&self, workload: Workload) -> bool {
+        match self.endpoint {
+            Endpoint::Holdfast(_) => true,
+            Endpoint::Etcd(_) => workload != Workload::Spawn,
+            Endpoint::Supervisord(_) => workload == Workload::Spawn,
+        }
+    }
+
+    /// Client task `i` of `workload`; `prefix` names this run's resources.
+    fn client(
+        &self,
+        workload: Workload,
+        i: usize,
+        prefix: &str,
+        until: Instant,
+    ) -> JoinHandle<Stats> {
+        let own = format!("{prefix}/{i}");
+        match (&self.endpoint, workload) {
+            (Endpoint::Holdfast(api), w) => {
+                let api = api.clone();
+                match w {
+                    Workload::Churn => tokio::spawn(holdfast::churn_client(api, own, until)),
+                    Workload::Renew => tokio::spawn(holdfast::renew_client(api, own, until)),
+                    Workload::Contended => {
+                        tokio::spawn(holdfast::contended_client(api, prefix.into(), until))
+                    }
+                    Workload::Spawn => tokio::spawn(holdfast::spawn_client(api, until)),
+                }
+            }
+            (Endpoint::Etcd(etcd), w) => {
+                let etcd = etcd.clone();
+                match w {
+                    Workload::Churn => tokio::spawn(etcd::churn_client(etcd, own, until)),
+                    Workload::Renew => tokio::spawn(etcd::renew_client(etcd, until)),
+                    Workload::Contended => {
+                        tokio::spawn(etcd::contended_client(etcd, prefix.into(), until))
+                    }
+                    Workload::Spawn => unsupported(),
+                }
+            }
+            (Endpoint::Supervisord(rpc), Workload::Spawn) => {
+                let program = supervisord::program(i);
+                tokio::spawn(supervisord::spawn_client(rpc.clone(), program, until))
+            }
+            (Endpoint::Supervisord(_), _) => unsupported(),
+        }
+    }
+
+    /// Runs `workload` with `c` client tasks for `seconds` and prints its line (`spawn`
+    /// gives its rate as a ratio of `reference`); returns the rate.
+    pub async fn measure(
+        &self,
+        workload: Workload,
+        c: usize,
+        seconds: f64,
+        run_id: &str,
+        reference: f64,
+    ) -> f64 {
+        let (name, unit) = workload.labels();
+        let cpu_before = self.server.as_ref().and_then(Started::cpu_seconds);
+        let commits_before = match &self.endpoint {
+            Endpoint::Holdfast(api) => api.durable_commits().await,
+            _ => None,
+        };
+        let started = Instant::now();
+        let deadline = started + Duration::from_secs_f64(seconds);
+        let prefix = format!("bench/{name}/{run_id}/{}/{c}", self.label);
+        let tasks = (0..c)
+            .map(|i| self.client(workload, i, &prefix, deadline))
+            .collect();
+        let mut total = merge(tasks, name).await;
+        let rate = total.ops as f64 / started.elapsed().as_secs_f64();
+
+        let mut extra = match workload {
+            Workload::Contended => format!("   lost {}", total.lost),
+            Workload::Spawn => format!("   ratio {:.2} of raw fork+exec+wait", rate / reference),
+            _ => String::new(),
+        };
+        let cpu_after = self.server.as_ref().and_then(Started::cpu_seconds);
+        if let (Some(before), Some(after)) = (cpu_before, cpu_after) {
+            extra += &report::cpu(after - before, total.ops);
+        }
+        if let Endpoint::Holdfast(api) = &self.endpoint {
+            let commits = match (commits_before, api.durable_commits().await) {
+                (Some(before), Some(after)) => Some(after - before),
+                _ => None,
+            };
+            let requests = total.ops * holdfast::requests_per_op(workload);
+            extra += &report::ops_per_commit(requests, commits);
+        }
+        let label = format!("{name}/{}", self.label);
+        report::run_line(&mut total, (&label, unit), c, rate, &extra);
+        rate
+    }
+}
+
+/// The client of a workload a target does not run (`supports` keeps it from being
+/// asked for): one error.
+fn unsupported() -> JoinHandle<Stats> {
+    tokio::spawn(async {
+        Stats {
+            errors: 1,
+            ..Stats::default()
+        }
+    })
+}
