@@ -58,6 +58,12 @@ pub struct Config {
     #[arg(long, env = "HOLDFAST_EVENT_RETENTION", default_value = "1000000", value_parser = parse_retention)]
     pub event_retention: Retention,
 
+    /// Ended leases, processes and port reservations are kept this long
+    /// (`30m`, `12h`, `7d`), then deleted with their log files; `off` keeps
+    /// them for ever.
+    #[arg(long, env = "HOLDFAST_RECORD_RETENTION", default_value = "7d", value_parser = parse_record_retention)]
+    pub record_retention: RecordRetention,
+
     /// Directory for the SQLite database (and, later, process logs).
     /// Default: $XDG_STATE_HOME/holdfast, else ~/.local/state/holdfast.
     #[arg(long, env = "HOLDFAST_DATA_DIR")]
@@ -120,6 +126,18 @@ pub enum Retention {
     Age(Duration),
 }
 
+/// How long ended records are kept; None: for ever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordRetention(pub Option<Duration>);
+
+fn parse_record_retention(s: &str) -> Result<RecordRetention, String> {
+    if s == "off" {
+        return Ok(RecordRetention(None));
+    }
+    parse_age(s, || format!("{s:?} is not an age (30m, 12h, 7d) or off"))
+        .map(|d| RecordRetention(Some(d)))
+}
+
 fn parse_retention(s: &str) -> Result<Retention, String> {
     let bad = || format!("{s:?} is not a count (100000) or an age (30m, 12h, 7d)");
     if let Ok(n) = s.parse::<u64>() {
@@ -129,7 +147,12 @@ fn parse_retention(s: &str) -> Result<Retention, String> {
             Err(bad())
         };
     }
-    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?);
+    parse_age(s, bad).map(Retention::Age)
+}
+
+/// `30s`, `30m`, `12h`, `7d`: a positive age.
+fn parse_age(s: &str, bad: impl Fn() -> String) -> Result<Duration, String> {
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).ok_or_else(&bad)?);
     let n: u64 = num.parse().map_err(|_| bad())?;
     let secs = match unit {
         "s" => 1,
@@ -139,7 +162,7 @@ fn parse_retention(s: &str) -> Result<Retention, String> {
         _ => return Err(bad()),
     };
     match n.checked_mul(secs) {
-        Some(total) if total > 0 => Ok(Retention::Age(Duration::from_secs(total))),
+        Some(total) if total > 0 => Ok(Duration::from_secs(total)),
         _ => Err(bad()),
     }
 }

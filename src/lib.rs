@@ -208,6 +208,7 @@ impl App {
                 hub: self.state.hub.clone(),
                 metrics: self.state.metrics.clone(),
                 retention: self.config.event_retention,
+                record_retention: self.config.record_retention.0,
             },
             interval,
             stop_rx.clone(),

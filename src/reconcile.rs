@@ -24,10 +24,16 @@ pub struct Parts {
     pub hub: Arc<Hub>,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub retention: Retention,
+    /// How long ended records are kept; None: for ever.
+    pub record_retention: Option<Duration>,
 }
 
+/// Ended records deleted per table and pass: a pass holds the writer briefly
+/// however much has piled up, and the next ones take the rest.
+const PRUNE_BATCH: u32 = 5000;
+
 /// Remove events past the retention, and tell readers where the log now
-/// starts; and idempotency keys past their 24 hours.
+/// starts; idempotency keys past their 24 hours; ended records past theirs.
 async fn prune(parts: &Parts) -> Result<(), StoreError> {
     let (keep, age) = match parts.retention {
         Retention::Count(n) => (Some(n), None),
@@ -38,15 +44,28 @@ async fn prune(parts: &Parts) -> Result<(), StoreError> {
     };
     // Not durable: after a crash the same rows are simply pruned again.
     let stale = now_ms() - crate::idempotency::KEEP_MS;
-    let through = parts
+    let ended_before = parts
+        .record_retention
+        .map(|d| now_ms() - i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let host_id = parts.processes.host_id();
+    let (through, logs) = parts
         .store
         .write(false, move |tx| {
             Box::pin(async move {
                 tx.prune_keys(stale).await?;
-                tx.prune_events(keep, age).await
+                let logs = match ended_before {
+                    Some(at) => tx.prune_records(at, &host_id, PRUNE_BATCH).await?,
+                    None => Vec::new(),
+                };
+                // Their log files go once this commits: it must not come back.
+                if !logs.is_empty() {
+                    tx.require_durable();
+                }
+                Ok((tx.prune_events(keep, age).await?, logs))
             })
         })
         .await?;
+    parts.processes.remove_logs(&logs);
     parts
         .hub
         .pruned_through

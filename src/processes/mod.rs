@@ -138,7 +138,22 @@ impl Processes {
         self.host.as_ref()
     }
 
-    fn host_id(&self) -> String {
+    /// Remove the log files of records that retention deleted; only files
+    /// in this server's own log directory.
+    pub fn remove_logs(&self, paths: &[String]) {
+        for p in paths.iter().map(Path::new) {
+            if p.parent() != Some(self.logs_dir.as_path()) {
+                continue;
+            }
+            if let Err(e) = std::fs::remove_file(p)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %p.display(), error = %e, "cannot remove a pruned process's log");
+            }
+        }
+    }
+
+    pub fn host_id(&self) -> String {
         self.host.local().host_id.clone()
     }
 

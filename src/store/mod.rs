@@ -99,6 +99,15 @@ pub trait Tx: Send {
     -> BoxFuture<'a, Result<()>>;
     /// Delete keys recorded before `before`.
     fn prune_keys(&mut self, before: Millis) -> BoxFuture<'_, Result<()>>;
+    /// Delete up to `limit` each of the leases, the processes of `host_id`
+    /// and the port reservations that ended before `before` (a lease bound
+    /// to a current process stays); the log files of the processes deleted.
+    fn prune_records<'a>(
+        &'a mut self,
+        before: Millis,
+        host_id: &'a str,
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<String>>>;
 
     fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>>;
     /// The current process holding `operation_id`, if any.

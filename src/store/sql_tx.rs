@@ -158,6 +158,15 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         Box::pin(rows::prune_keys(self.conn, before))
     }
 
+    fn prune_records<'a>(
+        &'a mut self,
+        before: Millis,
+        host_id: &'a str,
+        limit: u32,
+    ) -> BoxFuture<'a, Result<Vec<String>>> {
+        Box::pin(rows::prune_records(self.conn, before, host_id, limit))
+    }
+
     fn process<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<ProcessRecord>>> {
         Box::pin(rows::process(self.conn, id))
     }

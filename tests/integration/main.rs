@@ -15,6 +15,7 @@ mod ports;
 mod processes;
 mod races;
 mod restart;
+mod retention;
 mod service;
 mod sse;
 mod store_contract;

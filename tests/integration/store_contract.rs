@@ -1398,3 +1398,128 @@ mod a_job_answered_ok_keeps_its_writes_though_a_statement_failed {
         .await
     }
 }
+
+/// A UUIDv7 id created at `ms`, as the server makes them; `n` tells apart
+/// ids of one instant.
+fn v7(ms: Millis, n: u8) -> String {
+    let secs = u64::try_from(ms / 1000).expect("positive");
+    let nanos = u32::try_from((ms % 1000) * 1_000_000).expect("in range");
+    let ts = uuid::Timestamp::from_unix(uuid::NoContext, secs, nanos);
+    let mut bytes = *uuid::Uuid::new_v7(ts).as_bytes();
+    bytes[15] = n;
+    uuid::Uuid::from_bytes(bytes).to_string()
+}
+
+stores!(retention_deletes_records_ended_before_the_cutoff_and_nothing_current);
+async fn retention_deletes_records_ended_before_the_cutoff_and_nothing_current() {
+    let place = Place::new().await;
+    let s = place.open().await;
+    let day = 86_400_000;
+    // Created at T0, ended at T0 + 1 s (`ended`), or current.
+    let old_ended = v7(T0, 1);
+    let old_current = v7(T0, 2);
+    let old_ended_bound = v7(T0, 3);
+    let young_ended = v7(T0 + day, 4);
+    assert_eq!(next_token(&s.store, "r/a").await, 1);
+    for l in [
+        ended(lease(&old_ended, "r/a", 1), LeaseState::Released),
+        lease(&old_current, "r/b", 1),
+        ended(lease(&old_ended_bound, "r/c", 1), LeaseState::Expired),
+        LeaseRecord {
+            acquired_at: T0 + day,
+            ended_at: Some(T0 + day + 1),
+            ..ended(lease(&young_ended, "r/d", 1), LeaseState::Released)
+        },
+    ] {
+        insert_lease(&s.store, l).await.expect("insert lease");
+    }
+    let ended_process = |id: &str, host: &str| ProcessRecord {
+        state: ProcessState::Exited,
+        ended_at: Some(T0 + 1_000),
+        logs: Some(Logs {
+            stdout: format!("/logs/{id}.out"),
+            stderr: format!("/logs/{id}.err"),
+        }),
+        ..process(id, host, None)
+    };
+    let (gone_proc, other_host_proc) = (v7(T0, 5), v7(T0, 6));
+    let (bound_proc, current_proc) = (v7(T0, 7), v7(T0, 8));
+    for p in [
+        ended_process(&gone_proc, "host-a"),
+        ended_process(&other_host_proc, "host-b"),
+        ProcessRecord {
+            lease: Some(TokenRef {
+                id: old_ended_bound.clone(),
+                token: 1,
+            }),
+            ..process(&bound_proc, "host-a", None)
+        },
+        process(&current_proc, "host-a", None),
+    ] {
+        insert_process(&s.store, p).await.expect("insert process");
+    }
+    let (released_port, held_port) = (v7(T0, 9), v7(T0, 10));
+    let released = PortRecord {
+        released_at: Some(T0 + 1_000),
+        ..port(
+            &released_port,
+            "host-a",
+            4001,
+            "http",
+            lease_owner(&old_ended, 1),
+        )
+    };
+    insert_port(&s.store, released).await.expect("insert port");
+    let held = port(
+        &held_port,
+        "host-a",
+        4002,
+        "http",
+        process_owner(&current_proc, 1),
+    );
+    insert_port(&s.store, held).await.expect("insert port");
+
+    let prune = |before: Millis, limit: u32| {
+        s.store.write(true, move |tx| {
+            Box::pin(async move { tx.prune_records(before, "host-a", limit).await })
+        })
+    };
+    // Nothing ended before T0 + 1 s, the instant the old ones ended.
+    assert_eq!(
+        prune(T0 + 1_000, 100).await.expect("prune"),
+        Vec::<String>::new()
+    );
+    let logs = prune(T0 + day, 100).await.expect("prune");
+    assert_eq!(
+        logs,
+        [
+            format!("/logs/{gone_proc}.out"),
+            format!("/logs/{gone_proc}.err")
+        ]
+    );
+
+    let b = s.backend();
+    assert!(b.get_lease(&old_ended).await.expect("get").is_none());
+    for kept in [&old_current, &old_ended_bound, &young_ended] {
+        assert!(
+            b.get_lease(kept).await.expect("get").is_some(),
+            "{kept} kept"
+        );
+    }
+    assert!(b.get_process(&gone_proc).await.expect("get").is_none());
+    for kept in [&other_host_proc, &bound_proc, &current_proc] {
+        assert!(
+            b.get_process(kept).await.expect("get").is_some(),
+            "{kept} kept"
+        );
+    }
+    let ports = b.list_ports(Some("host-a"), 0, 10).await.expect("ports");
+    assert_eq!(
+        ids(&ports, |p| &p.id),
+        [held_port],
+        "a current one stays"
+    );
+    // Tokens go on from where the deleted lease's left them.
+    assert_eq!(next_token(&s.store, "r/a").await, 2);
+    s.close().await;
+}

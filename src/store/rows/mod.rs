@@ -6,12 +6,14 @@ mod idempotency;
 mod lease;
 mod port;
 mod process;
+mod retention;
 
 pub use event::*;
 pub use idempotency::*;
 pub use lease::*;
 pub use port::*;
 pub use process::*;
+pub use retention::*;
 
 use super::Result;
 use super::db::{Exec, Stmt, scalar};
