@@ -83,6 +83,9 @@ pub struct Processes {
     /// reaper collects them: a stop that saw the child go reads how it
     /// ended here instead of racing the transaction that records the exit.
     exits: Mutex<HashMap<String, tokio::sync::watch::Receiver<Option<Exit>>>>,
+    /// Records a stop request of this server is stopping now: their exit
+    /// status need not be synced on its own (see `record_exit`).
+    stopping: Mutex<std::collections::HashSet<String>>,
     /// Whether this host may have current processes.
     hint: Mutex<CurrentHint>,
     /// Where a test holds a spawn between its two transactions.
@@ -125,6 +128,7 @@ impl Processes {
             kill_failed: Mutex::default(),
             unverified: Mutex::default(),
             exits: Mutex::default(),
+            stopping: Mutex::default(),
             hint: Mutex::new(CurrentHint {
                 creates: 0,
                 maybe: true,
@@ -364,6 +368,10 @@ impl Processes {
         stop::kill_tree(self.host.as_ref(), ident, pgid, why);
     }
 
+    fn locked<'a, T>(&self, m: &'a Mutex<T>) -> std::sync::MutexGuard<'a, T> {
+        m.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The exit of record `id`'s process, when it is our own child.
     fn exit_watch(&self, id: &str) -> Option<stop::Reaped> {
         self.exits
@@ -390,7 +398,11 @@ impl Processes {
 
     async fn record_exit(&self, id: String, pid: i32, exit: Exit) {
         let pid_id = id.clone();
-        let res = in_tx!(self, true, |tx, cx| ops::exited(
+        // The exit status of a record being stopped is made durable by the
+        // stop's end, which carries it too; should it end the record all the
+        // same, `end` asks for durability itself.
+        let durable = !self.locked(&self.stopping).contains(&id);
+        let res = in_tx!(self, durable, |tx, cx| ops::exited(
             tx, cx, &pid_id, pid, exit, "exited"
         ));
         if let Err(e) = res {
@@ -536,6 +548,7 @@ impl Processes {
     ) -> Result<ProcessView, Error> {
         let (own, host_id) = (self.own, self.host_id());
         let sid = id.clone();
+        let _stopping = Stopping::new(self, &id);
         // Marking it `stopping` need not reach the disk before the signal:
         // a crash of holdfast keeps it (the WAL is written either way), and
         // a power loss, which might not, ends the process too. A stop that
@@ -568,5 +581,29 @@ impl Processes {
         Ok(in_tx!(self, true, |tx, cx| ops::finish(
             tx, cx, &id, token, state, reason, exit_code
         ))??)
+    }
+}
+
+/// A stop request in progress, in `Processes::stopping` while it lives.
+struct Stopping<'a> {
+    processes: &'a Processes,
+    id: String,
+}
+
+impl<'a> Stopping<'a> {
+    fn new(processes: &'a Processes, id: &str) -> Self {
+        processes.locked(&processes.stopping).insert(id.to_owned());
+        Self {
+            processes,
+            id: id.to_owned(),
+        }
+    }
+}
+
+impl Drop for Stopping<'_> {
+    fn drop(&mut self) {
+        self.processes
+            .locked(&self.processes.stopping)
+            .remove(&self.id);
     }
 }

@@ -57,6 +57,18 @@ pub enum Effect {
 /// The operations a mutation may use inside its transaction.
 pub trait Tx: Send {
     fn lease<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
+    /// Renew in one statement the lease `id` if it needs nothing judged:
+    /// current with `token`, no owner, no parent, its TTL not passed at
+    /// `now`. None when it is not such a lease, or when this store reads a
+    /// lease for less than a statement costs (then the caller reads, judges
+    /// and updates as usual).
+    fn renew_unowned<'a>(
+        &'a mut self,
+        id: &'a str,
+        token: i64,
+        ttl_ms: Option<i64>,
+        now: Millis,
+    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
     fn current_lease<'a>(
         &'a mut self,
         resource: &'a str,

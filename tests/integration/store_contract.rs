@@ -1514,12 +1514,81 @@ async fn retention_deletes_records_ended_before_the_cutoff_and_nothing_current()
         );
     }
     let ports = b.list_ports(Some("host-a"), 0, 10).await.expect("ports");
-    assert_eq!(
-        ids(&ports, |p| &p.id),
-        [held_port],
-        "a current one stays"
-    );
+    assert_eq!(ids(&ports, |p| &p.id), [held_port], "a current one stays");
     // Tokens go on from where the deleted lease's left them.
     assert_eq!(next_token(&s.store, "r/a").await, 2);
+    s.close().await;
+}
+
+stores!(a_plain_lease_is_renewed_in_one_statement_where_the_store_can);
+async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
+    let place = Place::new().await;
+    let s = place.open().await;
+    let now = T0 + 10_000;
+    let ttl = |l: LeaseRecord, expires_at: Millis| LeaseRecord {
+        ttl_ms: Some(30_000),
+        expires_at: Some(expires_at),
+        ..l
+    };
+    let plain = ttl(lease("plain", "u/plain", 1), now + 1);
+    let no_ttl = lease("no-ttl", "u/no-ttl", 1);
+    let passed = ttl(lease("passed", "u/passed", 1), now);
+    let owned = LeaseRecord {
+        owner: Some(identity(4242)),
+        ..ttl(lease("owned", "u/owned", 1), now + 1)
+    };
+    let child = LeaseRecord {
+        parent: Some(ParentRef {
+            id: "plain".into(),
+            resource: "u/plain".into(),
+            token: 1,
+        }),
+        ..ttl(lease("child", "u/child", 1), now + 1)
+    };
+    let gone = ended(
+        ttl(lease("gone", "u/gone", 1), now + 1),
+        LeaseState::Released,
+    );
+    for l in [&plain, &no_ttl, &passed, &owned, &child, &gone] {
+        insert_lease(&s.store, l.clone()).await.expect("insert");
+    }
+    let renew = |id: &'static str, token: i64, ttl_ms: Option<i64>| {
+        s.store
+            .write(true, move |tx| tx.renew_unowned(id, token, ttl_ms, now))
+    };
+    // Only PostgreSQL renews in one statement: SQLite's writer reads leases
+    // from its cache and queues the update, for less.
+    let one_statement = matches!(stores::current(), stores::Store::Postgres);
+    let renewed = renew("plain", 1, Some(5_000)).await.expect("renew");
+    let expected = LeaseRecord {
+        ttl_ms: Some(5_000),
+        expires_at: Some(now + 5_000),
+        renewed_at: Some(now),
+        ..plain.clone()
+    };
+    assert_eq!(renewed, one_statement.then_some(expected.clone()));
+    let renewed = renew("no-ttl", 1, None).await.expect("renew");
+    let kept_no_ttl = LeaseRecord {
+        renewed_at: Some(now),
+        ..no_ttl.clone()
+    };
+    assert_eq!(renewed, one_statement.then_some(kept_no_ttl));
+    // Wrong token, TTL passed, an owner or a parent to judge, ended: left to
+    // the full script, and left as they were.
+    for (id, token, before) in [
+        ("plain", 2, if one_statement { expected } else { plain }),
+        ("passed", 1, passed),
+        ("owned", 1, owned),
+        ("child", 1, child),
+        ("gone", 1, gone),
+    ] {
+        assert_eq!(
+            renew(id, token, Some(5_000)).await.expect("renew"),
+            None,
+            "{id}"
+        );
+        let after = s.backend().get_lease(id).await.expect("get");
+        assert_eq!(after, Some(before), "{id} unchanged");
+    }
     s.close().await;
 }

@@ -43,6 +43,29 @@ pub async fn lease<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Option<Lease
     Ok(leases(c, Stmt::new(SQL).text(id)).await?.pop())
 }
 
+/// Renew in one statement the lease `id` if it needs nothing judged: current
+/// with `token`, no owner, no parent, its TTL not passed at `now`. The same
+/// change `leases::ops::renew` makes; None when the lease is not such a one.
+pub async fn renew_unowned<E: Exec + ?Sized>(
+    c: &mut E,
+    id: &str,
+    token: i64,
+    ttl_ms: Option<i64>,
+    now: Millis,
+) -> Result<Option<LeaseRecord>> {
+    const SQL: &str = concat!(
+        "UPDATE leases SET ttl_ms = COALESCE($3, ttl_ms), \
+         expires_at = $4 + COALESCE($3, ttl_ms), renewed_at = $4 \
+         WHERE id = $1 AND token = $2 AND ",
+        lease_current!(),
+        " AND owner IS NULL AND parent_id IS NULL AND (expires_at IS NULL OR expires_at > $4) \
+         RETURNING ",
+        lease_cols!()
+    );
+    let s = Stmt::new(SQL).text(id).int(token).opt_int(ttl_ms).int(now);
+    Ok(leases(c, s).await?.pop())
+}
+
 /// The current lease of `resource`. No row lock: every write transaction
 /// already excludes the others (SQLite's one writer, PostgreSQL's lock).
 pub async fn current_lease<E: Exec + ?Sized>(
