@@ -179,9 +179,13 @@ pub async fn spawn_client(api: Api, deadline: Instant) -> Stats {
     stats
 }
 
-/// Starts the release binary on a free port with a fresh temp data dir and no
-/// `HOLDFAST_*` variables; returns it and its base URL.
-pub fn start_server(database: Option<&str>) -> Result<(Started, String), String> {
+/// Starts the release binary on a free port with a fresh temp data dir (or `dir`,
+/// one a server of the bench used before) and no `HOLDFAST_*` variables; returns it
+/// and its base URL.
+pub fn start_server(
+    database: Option<&str>,
+    dir: Option<tempfile::TempDir>,
+) -> Result<(Started, String), String> {
     let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/holdfast");
     if !bin.is_file() {
         let shown = bin.display();
@@ -192,7 +196,10 @@ pub fn start_server(database: Option<&str>) -> Result<(Started, String), String>
     let &[port] = process::free_ports(1)?.as_slice() else {
         return Err("no free port".into());
     };
-    let data_dir = ctx(tempfile::TempDir::new(), "cannot create a temp dir")?;
+    let data_dir = match dir {
+        Some(dir) => dir,
+        None => ctx(tempfile::TempDir::new(), "cannot create a temp dir")?,
+    };
     let mut cmd = Command::new(&bin);
     let listen = format!("127.0.0.1:{port}");
     cmd.args(["serve", "--listen", &listen, "--data-dir"])

@@ -8,7 +8,7 @@
 //! cargo bench --bench holdfast-bench -- [--url http://127.0.0.1:7427] \
 //!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn] \
 //!     [--stores sqlite,postgres] [--postgres postgres://postgres@127.0.0.1:5432] \
-//!     [--against etcd,supervisord]
+//!     [--against etcd,supervisord] [--prefill leases=N,processes=M[,resources=R][,events=K]]
 //! ```
 //!
 //! `--stores` (without `--url`) starts one server per store and runs every
@@ -30,6 +30,22 @@
 //! and anchor: `ratio <workload> C=<c> holdfast/<store> / <anchor> = X.XXx`. etcd
 //! (`etcd.rs`, v3 JSON gateway, fsync on) is the anchor of churn, renew and
 //! contended; supervisord (`supervisord.rs`, XML-RPC) of spawn.
+//!
+//! `--prefill leases=N,processes=M` (without `--url`; SQLite only, a `postgres`
+//! store runs empty) starts two servers per SQLite store: one on an empty store
+//! and one, `prefilled/sqlite`, on a store that holds N ended leases and M ended
+//! processes (optionally on R resources and with the end events of the newest K
+//! records; `prefill.rs` says what the rows are). That one is started once so that
+//! it creates its schema, stopped with SIGTERM, the rows are written straight into
+//! its `holdfast.db` in one transaction, and it is started again on the same data
+//! dir; the bench prints how long that took and the store's size. Each point runs
+//! on both in turn and is followed by `ratio <workload> C=<c> prefilled/sqlite /
+//! empty = X.XXx`.
+//!
+//! For every holdfast server it started, the bench prints `holdfast/<store> rss
+//! idle X MiB` once all are ready and before any load, and `rss after X MiB` at the
+//! end (VmRSS from /proc/<pid>/status, with the peak VmHWM and, for SQLite, the
+//! size of the store's files).
 //!
 //! Each workload runs for `--seconds` with C concurrent client tasks, for each C:
 //! - `churn`: each client loops acquire (201), renew (200), release (200) on its own
@@ -59,6 +75,7 @@
 
 mod etcd;
 mod holdfast;
+mod prefill;
 mod process;
 mod reference;
 mod report;
@@ -72,11 +89,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use reqwest::Client;
 
+use crate::prefill::Prefill;
 use crate::target::{Endpoint, Target};
 
 const USAGE: &str = "usage: cargo bench --bench holdfast-bench -- [--url URL] \
     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn] \
-    [--stores sqlite,postgres] [--postgres URL] [--against etcd,supervisord]";
+    [--stores sqlite,postgres] [--postgres URL] [--against etcd,supervisord] \
+    [--prefill leases=N,processes=M[,resources=R][,events=K]]";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Workload {
@@ -132,6 +151,7 @@ struct Args {
     seconds: f64,
     workloads: Vec<Workload>,
     against: Vec<Anchor>,
+    prefill: Option<Prefill>,
 }
 
 /// Adds what failed to an error, for `?` on setup steps.
@@ -155,6 +175,7 @@ fn parse_args() -> Result<Args, String> {
         seconds: 5.0,
         workloads: Workload::ALL.to_vec(),
         against: Vec::new(),
+        prefill: None,
     };
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench"); // added by cargo bench
     while let Some(flag) = it.next() {
@@ -185,11 +206,15 @@ fn parse_args() -> Result<Args, String> {
                 against.dedup();
                 args.against = against;
             }
+            "--prefill" => args.prefill = Some(ctx(Prefill::parse(&value), "--prefill")?),
             _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
     if args.url.is_some() && args.stores.len() > 1 {
         return Err("--url measures one server: give --stores only without it".into());
+    }
+    if args.url.is_some() && args.prefill.is_some() {
+        return Err("--prefill writes into the stores the bench starts: not with --url".into());
     }
     Ok(args)
 }
@@ -221,6 +246,7 @@ impl Bench {
                     base: url.clone(),
                 }),
                 server: None,
+                prefilled: false,
             });
         } else {
             for store in &args.stores {
@@ -233,7 +259,7 @@ impl Bench {
                     }
                     _ => None,
                 };
-                let (server, url) = holdfast::start_server(database.as_deref())?;
+                let (server, url) = holdfast::start_server(database.as_deref(), None)?;
                 self.targets.push(Target {
                     label: store.clone(),
                     url: url.clone(),
@@ -243,7 +269,18 @@ impl Bench {
                         base: url,
                     }),
                     server: Some(server),
+                    prefilled: false,
                 });
+                match (&args.prefill, store.as_str()) {
+                    (Some(p), "sqlite") => {
+                        let target = start_prefilled(client, p).await?;
+                        self.targets.push(target);
+                    }
+                    (Some(_), _) => {
+                        eprintln!("holdfast-bench: --prefill: {store} runs on an empty store only");
+                    }
+                    (None, _) => {}
+                }
             }
         }
         for (anchor, bin) in anchors {
@@ -272,6 +309,7 @@ impl Bench {
                 version: None,
                 endpoint,
                 server: Some(server),
+                prefilled: false,
             });
         }
         for t in &mut self.targets {
@@ -320,6 +358,12 @@ impl Bench {
         } else {
             ""
         };
+        for t in &self.targets {
+            if let (Endpoint::Holdfast(_), Some(server)) = (&t.endpoint, &t.server) {
+                let store = server.dir().and_then(prefill::store_mib);
+                report::rss(&t.label, "idle", server.rss_mib(), store);
+            }
+        }
         println!("nproc {nproc}{shared}, run id {run_id}, {secs} s per run\n");
         for &workload in &args.workloads {
             for &c in &args.concurrency {
@@ -340,6 +384,16 @@ impl Bench {
                         ratios = true;
                     }
                 }
+                for (t, prefilled) in &rates {
+                    let Some(store) = t.empty_label() else {
+                        continue;
+                    };
+                    let empty = rates.iter().find(|(e, _)| e.label == store && !e.prefilled);
+                    if let Some((_, empty)) = empty {
+                        report::prefilled_ratio(name, c, store, *prefilled, *empty);
+                        ratios = true;
+                    }
+                }
                 if ratios {
                     println!();
                 }
@@ -349,6 +403,12 @@ impl Bench {
 
     /// Stops every server the bench started, then drops its databases.
     async fn teardown(self, args: &Args) {
+        for t in &self.targets {
+            if let (Endpoint::Holdfast(_), Some(server)) = (&t.endpoint, &t.server) {
+                let store = server.dir().and_then(prefill::store_mib);
+                report::rss(&t.label, "after", server.rss_mib(), store);
+            }
+        }
         for t in self.targets {
             if let Some(server) = t.server {
                 server.stop().await;
@@ -358,6 +418,48 @@ impl Bench {
             holdfast::drop_database(&args.postgres, &name).await;
         }
     }
+}
+
+/// Starts a holdfast on SQLite, stops it once it has made its schema, writes `p`
+/// into its store and starts it again on it (see `prefill.rs`); prints how long
+/// that took.
+async fn start_prefilled(client: &Client, p: &Prefill) -> Result<Target, String> {
+    let started = std::time::Instant::now();
+    let (mut server, url) = holdfast::start_server(None, None)?;
+    let api = holdfast::Api {
+        client: client.clone(),
+        base: url,
+    };
+    holdfast::wait_ready(&api, Some(&mut server)).await?;
+    let dir = server
+        .stop_keeping_dir(rustix::process::Signal::TERM)
+        .await
+        .ok_or("prefill: the server's data dir is gone")?;
+    let written = prefill::sqlite(dir.path(), p).await?;
+    let store = prefill::store_mib(dir.path()).unwrap_or(0.0);
+    let (mut server, url) = holdfast::start_server(None, Some(dir))?;
+    let api = holdfast::Api {
+        client: client.clone(),
+        base: url.clone(),
+    };
+    let restarted = std::time::Instant::now();
+    holdfast::wait_ready(&api, Some(&mut server)).await?;
+    println!(
+        "holdfast-bench: prefilled/sqlite: {} written in {:.1} s, store {store:.1} MiB, \
+         ready again in {:.2} s, {:.1} s in all",
+        p.describe(),
+        written.as_secs_f64(),
+        restarted.elapsed().as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(Target {
+        label: "prefilled/sqlite".into(),
+        url,
+        version: None,
+        endpoint: Endpoint::Holdfast(api),
+        server: Some(server),
+        prefilled: true,
+    })
 }
 
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM, with the signal's name.

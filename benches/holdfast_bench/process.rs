@@ -25,8 +25,9 @@ pub struct Started {
     child: Child,
     pid: Option<u32>,
     log: PathBuf,
-    /// Removed after the process is gone (fields drop in order, after `drop`).
-    _dir: tempfile::TempDir,
+    /// Removed after the process is gone (fields drop in order, after `drop`);
+    /// None once `stop_keeping_dir` has handed it back.
+    dir: Option<tempfile::TempDir>,
 }
 
 impl Started {
@@ -58,7 +59,7 @@ impl Started {
             pid: child.id(),
             child,
             log,
-            _dir: dir,
+            dir: Some(dir),
         })
     }
 
@@ -85,15 +86,48 @@ impl Started {
         Some((utime + stime) as f64 / clock_ticks())
     }
 
+    /// Its temp dir (a holdfast's data dir).
+    pub fn dir(&self) -> Option<&std::path::Path> {
+        self.dir.as_ref().map(|d| d.path())
+    }
+
+    /// Its resident set now and at its peak (VmRSS, VmHWM from /proc/<pid>/status),
+    /// in MiB; None when unreadable (it has exited).
+    pub fn rss_mib(&self) -> Option<(f64, f64)> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid?)).ok()?;
+        let kib = |key: &str| -> Option<f64> {
+            let line = status.lines().find(|l| l.starts_with(key))?;
+            line[key.len()..]
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()
+        };
+        Some((kib("VmRSS:")? / 1024.0, kib("VmHWM:")? / 1024.0))
+    }
+
     /// Ends it: `stop_signal`, SIGKILL if it is still there after 10 s, then what it
     /// spawned and left behind.
     pub async fn stop(mut self) {
+        let signal = self.stop_signal;
+        self.end(signal).await;
+    }
+
+    /// Ends it with `signal` (as `stop` does) and hands back its dir, kept on disk
+    /// (to start a server again on the same data).
+    pub async fn stop_keeping_dir(mut self, signal: Signal) -> Option<tempfile::TempDir> {
+        self.end(signal).await;
+        self.dir.take()
+    }
+
+    async fn end(&mut self, signal: Signal) {
         let Some(pid) = self.child.id().and_then(|p| i32::try_from(p).ok()) else {
             return; // already reaped
         };
         let left = children_of(pid);
         if let Some(p) = Pid::from_raw(pid) {
-            let _ = kill_process(p, self.stop_signal);
+            let _ = kill_process(p, signal);
         }
         let waited = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
         if waited.is_err() {

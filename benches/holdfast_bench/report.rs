@@ -33,3 +33,19 @@ pub fn ratio(workload: &str, c: usize, store: &str, ours: f64, anchor: &str, the
     let x = ours / theirs;
     println!("ratio {workload} C={c} holdfast/{store} / {anchor} = {x:.2}x");
 }
+
+/// `ratio <workload> C=<c> prefilled/<store> / empty = X.XXx`.
+pub fn prefilled_ratio(workload: &str, c: usize, store: &str, prefilled: f64, empty: f64) {
+    let x = prefilled / empty;
+    println!("ratio {workload} C={c} prefilled/{store} / empty = {x:.2}x");
+}
+
+/// `holdfast/<label> rss <when> X MiB`, with its peak and the store's size when known.
+pub fn rss(label: &str, when: &str, rss: Option<(f64, f64)>, store_mib: Option<f64>) {
+    let Some((now, peak)) = rss else {
+        println!("holdfast/{label} rss {when} - MiB (unreadable)");
+        return;
+    };
+    let store = store_mib.map_or(String::new(), |s| format!(", store {s:.1} MiB"));
+    println!("holdfast/{label} rss {when} {now:.1} MiB (peak {peak:.1} MiB{store})");
+}

@@ -25,11 +25,22 @@ pub struct Target {
     pub endpoint: Endpoint,
     /// The process, when the bench started it.
     pub server: Option<Started>,
+    /// A holdfast on a store the bench prefilled (`--prefill`), labelled
+    /// `prefilled/<store>`.
+    pub prefilled: bool,
 }
 
 impl Target {
     pub fn is_anchor(&self) -> bool {
         !matches!(self.endpoint, Endpoint::Holdfast(_))
+    }
+
+    /// The label of the holdfast on the empty store that a prefilled one is compared
+    /// with.
+    pub fn empty_label(&self) -> Option<&str> {
+        self.label
+            .strip_prefix("prefilled/")
+            .filter(|_| self.prefilled)
     }
 
     pub fn supports(&self, workload: Workload) -> bool {
