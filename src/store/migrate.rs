@@ -31,6 +31,11 @@ pub const SQLITE: &[File] = &[
         "idempotency",
         include_str!("../../migrations/sqlite/0003_idempotency.sql"),
     ),
+    (
+        4,
+        "partial parent index",
+        include_str!("../../migrations/sqlite/0004_partial_parent_index.sql"),
+    ),
 ];
 
 pub const POSTGRES: &[File] = &[
@@ -48,6 +53,11 @@ pub const POSTGRES: &[File] = &[
         3,
         "idempotency",
         include_str!("../../migrations/postgres/0003_idempotency.sql"),
+    ),
+    (
+        4,
+        "partial parent index",
+        include_str!("../../migrations/postgres/0004_partial_parent_index.sql"),
     ),
 ];
 
