@@ -2,12 +2,13 @@
 //! database, and its durable-commit counter.
 
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use reqwest::{Client, StatusCode};
 use rustix::process::Signal;
 use serde_json::{Value, json};
 use tokio::process::Command;
+use tokio::task::JoinSet;
 
 use crate::ctx;
 use crate::process::{self, Started};
@@ -179,6 +180,39 @@ pub async fn spawn_client(api: Api, deadline: Instant) -> Stats {
     stats
 }
 
+/// One round of `stop50`: spawns `n` processes, then sends their `n` stops at once.
+/// The time from the first stop sent to the last answer when every spawn and stop
+/// answered as it must (else None), and the number of those that did not.
+pub async fn stop_round(api: &Api, n: usize) -> (Option<Duration>, u64) {
+    let body = json!({"kind": "bench", "command": {"argv": ["/bin/sleep", "600"]}});
+    let mut spawns = JoinSet::new();
+    for _ in 0..n {
+        let (api, body) = (api.clone(), body.clone());
+        spawns.spawn(async move { api.create("/v1/processes", &body).await });
+    }
+    let mut running = Vec::with_capacity(n);
+    let mut errors = 0;
+    while let Some(spawned) = spawns.join_next().await {
+        match spawned {
+            Ok(Some(p)) => running.push(p),
+            _ => errors += 1,
+        }
+    }
+    let started = Instant::now();
+    let mut stops = JoinSet::new();
+    for (id, token) in running {
+        let api = api.clone();
+        stops.spawn(async move { api.stop(&id, token).await });
+    }
+    while let Some(stopped) = stops.join_next().await {
+        if !matches!(stopped, Ok(true)) {
+            errors += 1;
+        }
+    }
+    let elapsed = started.elapsed();
+    ((errors == 0).then_some(elapsed), errors)
+}
+
 /// Starts the release binary on a free port with a fresh temp data dir (or `dir`,
 /// one a server of the bench used before) and no `HOLDFAST_*` variables; returns it
 /// and its base URL.
@@ -262,5 +296,6 @@ pub fn requests_per_op(workload: crate::Workload) -> u64 {
         crate::Workload::Renew => 1,     // renew
         crate::Workload::Contended => 2, // acquire (waiting), release
         crate::Workload::Spawn => 2,     // spawn, stop
+        crate::Workload::Stop50 => 2 * crate::STOP50_CHILDREN as u64, // per round
     }
 }

@@ -6,7 +6,7 @@
 //! ```text
 //! cargo build --release
 //! cargo bench --bench holdfast-bench -- [--url http://127.0.0.1:7427] \
-//!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn] \
+//!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn,stop50] \
 //!     [--stores sqlite,postgres] [--postgres postgres://postgres@127.0.0.1:5432] \
 //!     [--against etcd,supervisord] [--prefill leases=N,processes=M[,resources=R][,events=K]]
 //! ```
@@ -29,7 +29,7 @@
 //! anchors of that workload, in turn; after each point it prints one line per store
 //! and anchor: `ratio <workload> C=<c> holdfast/<store> / <anchor> = X.XXx`. etcd
 //! (`etcd.rs`, v3 JSON gateway, fsync on) is the anchor of churn, renew and
-//! contended; supervisord (`supervisord.rs`, XML-RPC) of spawn.
+//! contended; supervisord (`supervisord.rs`, XML-RPC) of spawn and stop50.
 //!
 //! `--prefill leases=N,processes=M` (without `--url`; SQLite only, a `postgres`
 //! store runs empty) starts two servers per SQLite store: one on an empty store
@@ -61,6 +61,14 @@
 //!   cycles/s and p50/p99 of a whole spawn+stop cycle. Right before it, for the same C
 //!   and duration, `spawn-ref` measures the bench's own fork+exec+wait of `/bin/true`
 //!   in C blocking threads; each spawn line gives its rate as a ratio of that one.
+//! - `stop50` (issue 12: stopping 50 running children should take under 100 ms),
+//!   always at C=50, `--concurrency` ignored: a round spawns 50 processes as `spawn`
+//!   does, then sends their 50 stops at once (each 200 and `stopped`) and times from
+//!   the first stop sent to the last answer; rounds repeat for `--seconds` (at least
+//!   3). p50/p99 are those of the round times (the line repeats the median as
+//!   `median X ms`), the rate is 50 / median in stops/s, `cpu` and `ops/commit` are
+//!   per round (100 requests). A round with a failed spawn or stop counts its
+//!   failures as errors and is not timed.
 //!
 //! `errors` counts unexpected statuses and failed requests (the bench never panics on
 //! one). Rates divide by the wall time until the last client finished. When the bench
@@ -93,7 +101,7 @@ use crate::prefill::Prefill;
 use crate::target::{Endpoint, Target};
 
 const USAGE: &str = "usage: cargo bench --bench holdfast-bench -- [--url URL] \
-    [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn] \
+    [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn,stop50] \
     [--stores sqlite,postgres] [--postgres URL] [--against etcd,supervisord] \
     [--prefill leases=N,processes=M[,resources=R][,events=K]]";
 
@@ -103,14 +111,19 @@ pub enum Workload {
     Renew,
     Contended,
     Spawn,
+    Stop50,
 }
 
+/// The children `stop50` starts and then stops at once.
+pub const STOP50_CHILDREN: usize = 50;
+
 impl Workload {
-    const ALL: [Workload; 4] = [
+    const ALL: [Workload; 5] = [
         Workload::Churn,
         Workload::Renew,
         Workload::Contended,
         Workload::Spawn,
+        Workload::Stop50,
     ];
 
     /// Its name and the unit of its rate.
@@ -120,6 +133,7 @@ impl Workload {
             Workload::Renew => ("renew", "renewals/s"),
             Workload::Contended => ("contended", "handoffs/s"),
             Workload::Spawn => ("spawn", "cycles/s"),
+            Workload::Stop50 => ("stop50", "stops/s"),
         }
     }
 }
@@ -295,7 +309,11 @@ impl Bench {
                     (server, url, Endpoint::Etcd(etcd))
                 }
                 Anchor::Supervisord => {
-                    let (server, url) = supervisord::start(&bin, max_c)?;
+                    let programs = match args.workloads.contains(&Workload::Stop50) {
+                        true => max_c.max(STOP50_CHILDREN),
+                        false => max_c,
+                    };
+                    let (server, url) = supervisord::start(&bin, programs)?;
                     let rpc = supervisord::Rpc {
                         client: client.clone(),
                         url: url.clone(),
@@ -366,7 +384,11 @@ impl Bench {
         }
         println!("nproc {nproc}{shared}, run id {run_id}, {secs} s per run\n");
         for &workload in &args.workloads {
-            for &c in &args.concurrency {
+            let concurrency = match workload {
+                Workload::Stop50 => vec![STOP50_CHILDREN], // ignores --concurrency
+                _ => args.concurrency.clone(),
+            };
+            for c in concurrency {
                 let reference = match workload {
                     Workload::Spawn => reference::spawn_reference(c, secs).await,
                     _ => f64::NAN,

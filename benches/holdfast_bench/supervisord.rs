@@ -1,4 +1,4 @@
-//! supervisord (4.2, Debian's `supervisor`) as the anchor of `spawn`, through its
+//! supervisord (4.2, Debian's `supervisor`) as the anchor of `spawn` and `stop50`, through its
 //! XML-RPC interface (`POST /RPC2`, bodies written by hand). Client i owns the program
 //! `bench_<i>` (`/bin/sleep 600`, `startsecs=0`); a cycle is
 //! `supervisor.startProcess(name, true)`, then `supervisor.getProcessInfo(name)` for
@@ -11,6 +11,10 @@
 //! handlers it inherited from supervisord, so the stop then takes `stopwaitsecs` (5 s)
 //! and ends with SIGKILL (about half of the cycles when the stop follows at once).
 //! holdfast answers a spawn only after the exec, so the cycle waits for it here too.
+//!
+//! `stop50` (`stop_round`) starts `bench_0` to `bench_49` that way, all at once, then
+//! times 50 concurrent `supervisor.stopProcess(name, true)` calls (not
+//! stopAllProcesses), from the first sent to the last answer.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -19,6 +23,7 @@ use std::time::{Duration, Instant};
 use reqwest::Client;
 use rustix::process::Signal;
 use tokio::process::Command;
+use tokio::task::JoinSet;
 
 use crate::ctx;
 use crate::process::{self, Started};
@@ -140,6 +145,61 @@ pub async fn spawn_client(rpc: Rpc, program: String, deadline: Instant) -> Stats
         }
     }
     stats
+}
+
+/// One round of `stop50`: starts the programs `bench_0` to `bench_<n-1>` at once
+/// (startProcess, then the wait for the exec, as `spawn_client` does), then sends
+/// their `n` `supervisor.stopProcess(name, true)` calls at once. The time from the
+/// first stop sent to the last answer when every start and stop succeeded (else
+/// None), and the number of those that did not. After a failed start all `n` are
+/// still stopped, and the faults of those not running are not counted.
+pub async fn stop_round(rpc: &Rpc, n: usize) -> (Option<Duration>, u64) {
+    let sleep = std::fs::canonicalize("/bin/sleep").unwrap_or_else(|_| "/bin/sleep".into());
+    let mut starts = JoinSet::new();
+    for i in 0..n {
+        let (rpc, sleep) = (rpc.clone(), sleep.clone());
+        starts.spawn(async move {
+            let name = program(i);
+            let args = [Param::Str(&name), Param::Bool(true)];
+            rpc.call("supervisor.startProcess", &args).await?;
+            rpc.wait_exec(&name, &sleep).await
+        });
+    }
+    let mut start_errors = 0;
+    while let Some(started) = starts.join_next().await {
+        let e = match started {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => e,
+            Err(e) => e.to_string(),
+        };
+        note(&e);
+        start_errors += 1;
+    }
+    let started = Instant::now();
+    let mut stops = JoinSet::new();
+    for i in 0..n {
+        let rpc = rpc.clone();
+        stops.spawn(async move {
+            let name = program(i);
+            let args = [Param::Str(&name), Param::Bool(true)];
+            rpc.call("supervisor.stopProcess", &args).await.map(drop)
+        });
+    }
+    let mut stop_errors = 0;
+    while let Some(stopped) = stops.join_next().await {
+        let e = match stopped {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => e,
+            Err(e) => e.to_string(),
+        };
+        if start_errors == 0 {
+            note(&e);
+            stop_errors += 1;
+        }
+    }
+    let elapsed = started.elapsed();
+    let errors = start_errors + stop_errors;
+    ((errors == 0).then_some(elapsed), errors)
 }
 
 /// Shows the first few failures of a run on stderr (the counts are in the line).

@@ -6,7 +6,7 @@ use tokio::task::JoinHandle;
 
 use crate::process::Started;
 use crate::stats::{Stats, merge};
-use crate::{Workload, etcd, holdfast, report, supervisord};
+use crate::{STOP50_CHILDREN, Workload, etcd, holdfast, report, supervisord};
 
 /// How the bench talks to a server.
 pub enum Endpoint {
@@ -46,8 +46,8 @@ impl Target {
     pub fn supports(&self, workload: Workload) -> bool {
         match self.endpoint {
             Endpoint::Holdfast(_) => true,
-            Endpoint::Etcd(_) => workload != Workload::Spawn,
-            Endpoint::Supervisord(_) => workload == Workload::Spawn,
+            Endpoint::Etcd(_) => !matches!(workload, Workload::Spawn | Workload::Stop50),
+            Endpoint::Supervisord(_) => matches!(workload, Workload::Spawn | Workload::Stop50),
         }
     }
 
@@ -70,6 +70,7 @@ impl Target {
                         tokio::spawn(holdfast::contended_client(api, prefix.into(), until))
                     }
                     Workload::Spawn => tokio::spawn(holdfast::spawn_client(api, until)),
+                    Workload::Stop50 => unsupported(), // `stop_rounds` runs it
                 }
             }
             (Endpoint::Etcd(etcd), w) => {
@@ -80,7 +81,7 @@ impl Target {
                     Workload::Contended => {
                         tokio::spawn(etcd::contended_client(etcd, prefix.into(), until))
                     }
-                    Workload::Spawn => unsupported(),
+                    Workload::Spawn | Workload::Stop50 => unsupported(),
                 }
             }
             (Endpoint::Supervisord(rpc), Workload::Spawn) => {
@@ -110,14 +111,30 @@ impl Target {
         let started = Instant::now();
         let deadline = started + Duration::from_secs_f64(seconds);
         let prefix = format!("bench/{name}/{run_id}/{}/{c}", self.label);
-        let tasks = (0..c)
-            .map(|i| self.client(workload, i, &prefix, deadline))
-            .collect();
-        let mut total = merge(tasks, name).await;
-        let rate = total.ops as f64 / started.elapsed().as_secs_f64();
+        let (mut total, rate) = match workload {
+            Workload::Stop50 => {
+                let mut total = self.stop_rounds(deadline).await;
+                total.latencies_us.sort_unstable();
+                let rate = STOP50_CHILDREN as f64 * 1000.0 / total.percentile_ms(50.0);
+                (total, rate)
+            }
+            _ => {
+                let tasks = (0..c)
+                    .map(|i| self.client(workload, i, &prefix, deadline))
+                    .collect();
+                let total = merge(tasks, name).await;
+                let rate = total.ops as f64 / started.elapsed().as_secs_f64();
+                (total, rate)
+            }
+        };
 
         let mut extra = match workload {
             Workload::Contended => format!("   lost {}", total.lost),
+            Workload::Stop50 => format!(
+                "   median {:.2} ms   rounds {}",
+                total.percentile_ms(50.0),
+                total.ops
+            ),
             Workload::Spawn => format!("   ratio {:.2} of raw fork+exec+wait", rate / reference),
             _ => String::new(),
         };
@@ -136,6 +153,29 @@ impl Target {
         let label = format!("{name}/{}", self.label);
         report::run_line(&mut total, (&label, unit), c, rate, &extra);
         rate
+    }
+}
+
+impl Target {
+    /// The rounds of `stop50` (see `holdfast::stop_round`, `supervisord::stop_round`)
+    /// until `deadline`, at least 3; one latency per round timed.
+    async fn stop_rounds(&self, deadline: Instant) -> Stats {
+        let mut stats = Stats::default();
+        let mut rounds = 0;
+        while rounds < 3 || Instant::now() < deadline {
+            rounds += 1;
+            let (time, errors) = match &self.endpoint {
+                Endpoint::Holdfast(api) => holdfast::stop_round(api, STOP50_CHILDREN).await,
+                Endpoint::Supervisord(rpc) => supervisord::stop_round(rpc, STOP50_CHILDREN).await,
+                Endpoint::Etcd(_) => (None, 1),
+            };
+            stats.errors += errors;
+            match time {
+                Some(t) => stats.record(t),
+                None => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+        stats
     }
 }
 
