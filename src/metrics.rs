@@ -56,7 +56,7 @@ fn latency_histogram() -> Histogram {
 
 impl Metrics {
     /// The metrics of a server whose store counts its writes in `writes`.
-    pub fn new(writes: crate::store::group::WriteCounters) -> Self {
+    pub fn new(writes: crate::store::counters::WriteCounters) -> Self {
         let mut registry = Registry::with_prefix("holdfast");
         let m = Self {
             current_leases: Gauge::default(),

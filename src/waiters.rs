@@ -94,6 +94,11 @@ impl Waiters {
             .map(|(id, _)| *id)
     }
 
+    /// Whether anyone waits, for any resource (a queue that empties is removed).
+    pub fn any(&self) -> bool {
+        !self.lock().is_empty()
+    }
+
     /// How many wait, over all resources.
     pub fn total(&self) -> usize {
         self.lock().values().map(VecDeque::len).sum()

@@ -165,16 +165,8 @@ pub async fn stop_round(rpc: &Rpc, n: usize) -> (Option<Duration>, u64) {
             rpc.wait_exec(&name, &sleep).await
         });
     }
-    let mut start_errors = 0;
-    while let Some(started) = starts.join_next().await {
-        let e = match started {
-            Ok(Ok(())) => continue,
-            Ok(Err(e)) => e,
-            Err(e) => e.to_string(),
-        };
-        note(&e);
-        start_errors += 1;
-    }
+    let start_failures = failures(starts).await;
+    start_failures.iter().for_each(|e| note(e));
     let started = Instant::now();
     let mut stops = JoinSet::new();
     for i in 0..n {
@@ -185,21 +177,30 @@ pub async fn stop_round(rpc: &Rpc, n: usize) -> (Option<Duration>, u64) {
             rpc.call("supervisor.stopProcess", &args).await.map(drop)
         });
     }
-    let mut stop_errors = 0;
-    while let Some(stopped) = stops.join_next().await {
-        let e = match stopped {
-            Ok(Ok(())) => continue,
-            Ok(Err(e)) => e,
-            Err(e) => e.to_string(),
-        };
-        if start_errors == 0 {
-            note(&e);
-            stop_errors += 1;
+    let stop_failures = failures(stops).await;
+    let elapsed = started.elapsed();
+    // After a failed start, the stops of programs that never ran fail too.
+    let stop_errors = if start_failures.is_empty() {
+        stop_failures.iter().for_each(|e| note(e));
+        stop_failures.len()
+    } else {
+        0
+    };
+    let errors = (start_failures.len() + stop_errors) as u64;
+    ((errors == 0).then_some(elapsed), errors)
+}
+
+/// The errors of the calls in `set`, once every one has answered.
+async fn failures(mut set: JoinSet<Result<(), String>>) -> Vec<String> {
+    let mut errors = Vec::new();
+    while let Some(done) = set.join_next().await {
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => errors.push(e),
+            Err(e) => errors.push(e.to_string()),
         }
     }
-    let elapsed = started.elapsed();
-    let errors = start_errors + stop_errors;
-    ((errors == 0).then_some(elapsed), errors)
+    errors
 }
 
 /// Shows the first few failures of a run on stderr (the counts are in the line).

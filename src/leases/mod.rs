@@ -280,7 +280,7 @@ impl Leases {
     }
 
     pub async fn release(&self, id: String, token: i64) -> Result<LeaseView, Error> {
-        if self.waiters.total() == 0 {
+        if !self.waiters.any() {
             let out = in_tx!(self, true, |tx, cx| ops::release(tx, cx, &id, token))?;
             return self.finish(out);
         }

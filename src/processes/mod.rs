@@ -275,11 +275,7 @@ impl Processes {
         };
         #[cfg(test)]
         {
-            let pause = self
-                .pause_after_spawn
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
+            let pause = locked(&self.pause_after_spawn).take();
             if let Some(p) = pause {
                 p.reached.notify_one();
                 p.resume.notified().await;
@@ -324,7 +320,7 @@ impl Processes {
     }
 
     fn hint(&self) -> std::sync::MutexGuard<'_, CurrentHint> {
-        self.hint.lock().unwrap_or_else(PoisonError::into_inner)
+        locked(&self.hint)
     }
 
     fn creating(&self) {
@@ -343,20 +339,14 @@ impl Processes {
     /// Collect the exit of our child `pid`, spawned for record `id`.
     fn watch_child(self: &Arc<Self>, id: String, pid: i32, exit_rx: oneshot::Receiver<Exit>) {
         let (exit_tx, exit_watch) = tokio::sync::watch::channel(None);
-        self.exits
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(id.clone(), exit_watch);
+        locked(&self.exits).insert(id.clone(), exit_watch);
         let me = self.clone();
         tokio::spawn(async move {
             if let Ok(exit) = exit_rx.await {
                 exit_tx.send_replace(Some(exit));
                 me.record_exit(id.clone(), pid, exit).await;
             }
-            me.exits
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&id);
+            locked(&me.exits).remove(&id);
         });
     }
 
@@ -368,17 +358,9 @@ impl Processes {
         stop::kill_tree(self.host.as_ref(), ident, pgid, why);
     }
 
-    fn locked<'a, T>(&self, m: &'a Mutex<T>) -> std::sync::MutexGuard<'a, T> {
-        m.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// The exit of record `id`'s process, when it is our own child.
     fn exit_watch(&self, id: &str) -> Option<stop::Reaped> {
-        self.exits
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(id)
-            .cloned()
+        locked(&self.exits).get(id).cloned()
     }
 
     /// The stop's outcome, with the exit status of our own child once the
@@ -401,7 +383,7 @@ impl Processes {
         // The exit status of a record being stopped is made durable by the
         // stop's end, which carries it too; should it end the record all the
         // same, `end` asks for durability itself.
-        let durable = !self.locked(&self.stopping).contains(&id);
+        let durable = !locked(&self.stopping).contains(&id);
         let res = in_tx!(self, durable, |tx, cx| ops::exited(
             tx, cx, &pid_id, pid, exit, "exited"
         ));
@@ -584,6 +566,10 @@ impl Processes {
     }
 }
 
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// A stop request in progress, in `Processes::stopping` while it lives.
 struct Stopping<'a> {
     processes: &'a Processes,
@@ -592,7 +578,7 @@ struct Stopping<'a> {
 
 impl<'a> Stopping<'a> {
     fn new(processes: &'a Processes, id: &str) -> Self {
-        processes.locked(&processes.stopping).insert(id.to_owned());
+        locked(&processes.stopping).insert(id.to_owned());
         Self {
             processes,
             id: id.to_owned(),
@@ -602,8 +588,6 @@ impl<'a> Stopping<'a> {
 
 impl Drop for Stopping<'_> {
     fn drop(&mut self) {
-        self.processes
-            .locked(&self.processes.stopping)
-            .remove(&self.id);
+        locked(&self.processes.stopping).remove(&self.id);
     }
 }

@@ -7,11 +7,9 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use tokio::sync::oneshot;
 
+use super::counters::WriteCounters;
 use super::sql_store::Writes;
 use super::{BoxFuture, JobFn, JobOutput, Result, StoreError};
 
@@ -33,36 +31,6 @@ pub trait Batches: Send + Sync + 'static {
     /// Release what the batches use, once the last one has run.
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(std::future::ready(()))
-    }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SyncLabel {
-    sync: &'static str,
-}
-
-/// What the group commit did, for /metrics: the transactions it ran by sync
-/// level (`full`: synced to stable storage before the answer, one fsync on
-/// SQLite) and the jobs they ran, so that jobs per commit can be read.
-#[derive(Clone)]
-pub struct WriteCounters {
-    pub commits: Family<SyncLabel, Counter>,
-    pub jobs: Counter,
-    full: Counter,
-    normal: Counter,
-}
-
-impl Default for WriteCounters {
-    fn default() -> Self {
-        let commits = Family::<SyncLabel, Counter>::default();
-        let full = commits.get_or_create(&SyncLabel { sync: "full" }).clone();
-        let normal = commits.get_or_create(&SyncLabel { sync: "normal" }).clone();
-        Self {
-            commits,
-            jobs: Counter::default(),
-            full,
-            normal,
-        }
     }
 }
 
@@ -154,9 +122,7 @@ impl<B: Batches> GroupCommit<B> {
             let (n, durable) = (batch.len(), batch.iter().any(|j| j.durable));
             let left = self.batches.run(batch).await;
             if left.len() < n {
-                let c = &self.counters;
-                if durable { &c.full } else { &c.normal }.inc();
-                c.jobs.inc_by((n - left.len()) as u64);
+                self.counters.ran(durable, n - left.len());
             }
             let mut q = self.queue();
             for job in left.into_iter().rev() {

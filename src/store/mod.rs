@@ -3,8 +3,9 @@
 //! the rules in `leases` never know which database is behind them.
 
 mod cache;
+pub mod counters;
 pub mod db;
-pub mod group;
+mod group;
 mod migrate;
 pub mod postgres;
 mod rows;
@@ -164,7 +165,7 @@ pub trait Backend: Send + Sync + 'static {
     /// stable storage before the answer (false only for renewals).
     fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>>;
     /// What the writer did so far, shared with /metrics.
-    fn write_counters(&self) -> group::WriteCounters;
+    fn write_counters(&self) -> counters::WriteCounters;
     fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
     fn list_leases<'a>(
         &'a self,

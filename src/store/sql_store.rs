@@ -16,7 +16,7 @@ use crate::time::Millis;
 /// How a store runs its write transactions.
 pub trait Writes: Send + Sync + 'static {
     fn write(&self, durable: bool, job: JobFn) -> BoxFuture<'_, Result<JobOutput>>;
-    fn counters(&self) -> super::group::WriteCounters;
+    fn counters(&self) -> super::counters::WriteCounters;
     /// Refuse new writes, finish the queued ones, and close.
     fn close(&self) -> BoxFuture<'_, ()>;
 }
@@ -53,7 +53,7 @@ impl<D: Db> Backend for SqlStore<D> {
         self.writes.write(durable, job)
     }
 
-    fn write_counters(&self) -> super::group::WriteCounters {
+    fn write_counters(&self) -> super::counters::WriteCounters {
         self.writes.counters()
     }
 

@@ -538,11 +538,7 @@ async fn a_commit_whose_answer_is_lost_is_answered_as_kept_and_its_retry_replays
         // The reconciler's first pass (at start) writes too: the cut is
         // for the request's COMMIT.
         s.eventually("/metrics", std::time::Duration::from_secs(10), |m| {
-            m.as_str().is_some_and(|t| {
-                t.lines()
-                    .filter_map(|l| l.strip_prefix("holdfast_reconciler_passes_total "))
-                    .any(|n| n.trim() != "0")
-            })
+            crate::support::metric(m, "holdfast_reconciler_passes_total").is_some_and(|n| n > 0)
         })
         .await;
 

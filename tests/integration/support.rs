@@ -237,21 +237,23 @@ impl Server {
     /// Wait until the reconciler has made `n` more passes: to show that
     /// something it would do was not done.
     pub async fn reconciler_passes(&self, n: u64) {
-        let passes = |m: &Value| {
-            m.as_str()
-                .and_then(|t| {
-                    t.lines()
-                        .find_map(|l| l.strip_prefix("holdfast_reconciler_passes_total "))
-                })
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(0)
-        };
+        let passes = |m: &Value| metric(m, "holdfast_reconciler_passes_total").unwrap_or(0);
         let start = passes(&self.get("/metrics").await.body);
         self.eventually("/metrics", Duration::from_secs(10), |m| {
             passes(m) >= start + n
         })
         .await;
     }
+}
+
+/// The value of the sample `series` (its name, with labels if it has any,
+/// as the exposition writes it) in a `/metrics` body.
+pub fn metric(m: &Value, series: &str) -> Option<u64> {
+    let line = m
+        .as_str()?
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))?;
+    line.trim().parse().ok()
 }
 
 impl Drop for Server {

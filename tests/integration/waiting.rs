@@ -200,15 +200,14 @@ async fn queued(s: &Server, n: usize) {
 /// Durable write transactions the server has run so far.
 async fn durable_transactions(s: &Server) -> u64 {
     let m = s.get("/metrics").await.body;
-    let text = m.as_str().expect("metrics text");
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("holdfast_store_transactions_total{sync=\"full\"}"))
-        .unwrap_or_else(|| panic!("no durable transaction counter in:\n{text}"));
-    line.rsplit(' ')
-        .next()
-        .and_then(|n| n.parse().ok())
-        .expect("a count")
+    crate::support::metric(&m, r#"holdfast_store_transactions_total{sync="full"}"#).unwrap_or_else(
+        || {
+            panic!(
+                "no durable transaction counter in:\n{}",
+                m.as_str().unwrap_or_default()
+            )
+        },
+    )
 }
 
 stores!(a_release_hands_the_lease_to_the_first_waiter_in_one_commit);
