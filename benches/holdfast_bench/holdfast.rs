@@ -220,7 +220,11 @@ pub fn start_server(
     database: Option<&str>,
     dir: Option<tempfile::TempDir>,
 ) -> Result<(Started, String), String> {
-    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/holdfast");
+    // Another build (an older commit's, to compare with) when named.
+    let bin = match std::env::var_os("HOLDFAST_BENCH_BINARY") {
+        Some(b) => std::path::PathBuf::from(b),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/holdfast"),
+    };
     if !bin.is_file() {
         let shown = bin.display();
         return Err(format!(

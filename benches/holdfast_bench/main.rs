@@ -17,7 +17,7 @@
 //! `holdfast_bench_<run id>` on the `--postgres` server and drops it at the end.
 //!
 //! Without `--url` the bench builds nothing: it starts `target/release/holdfast serve`
-//! (run `cargo build --release` first) on a free loopback port with a fresh temporary
+//! (run `cargo build --release` first; `HOLDFAST_BENCH_BINARY` names another build) on a free loopback port with a fresh temporary
 //! data dir and no `HOLDFAST_*` variables, waits for `/readyz`, and kills it at the end
 //! (and what it spawned); the server's output goes to `server.log` in that dir. With
 //! `--url` it uses that server; resource names carry a run id, so reruns against it do

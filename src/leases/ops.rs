@@ -210,11 +210,6 @@ pub async fn renew(
     token: i64,
     ttl_ms: Option<i64>,
 ) -> Result<Outcome<LeaseView>> {
-    // A lease with no owner and no parent needs nothing judged but its TTL:
-    // where the store can, it is checked and renewed in one statement.
-    if let Some(rec) = tx.renew_unowned(id, token, ttl_ms, cx.now).await? {
-        return Ok(Ok(*view(&rec, None, cx.now)));
-    }
     let (mut rec, owner) = match fenced_current(tx, cx, id, token).await? {
         Ok(found) => found,
         Err(e) => return Ok(Err(e)),

@@ -97,6 +97,13 @@ pub trait Exec: Send {
     fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>>;
     /// The last seq handed out (which retention never lowers).
     fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>>;
+    /// Whether reads of rows this transaction may change must lock them
+    /// (`FOR UPDATE`): true where writes outside it can reach the same
+    /// rows (PostgreSQL's one-statement renewals); SQLite's single writer
+    /// has none.
+    fn locks_rows(&self) -> bool {
+        false
+    }
 
     /// As `execute`, or `execute_one` with `what`, for a write of kind
     /// `hot`, which SQLite's writer sends grouped with others of its kind.

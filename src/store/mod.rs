@@ -58,18 +58,6 @@ pub enum Effect {
 /// The operations a mutation may use inside its transaction.
 pub trait Tx: Send {
     fn lease<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
-    /// Renew in one statement the lease `id` if it needs nothing judged:
-    /// current with `token`, no owner, no parent, its TTL not passed at
-    /// `now`. None when it is not such a lease, or when this store reads a
-    /// lease for less than a statement costs (then the caller reads, judges
-    /// and updates as usual).
-    fn renew_unowned<'a>(
-        &'a mut self,
-        id: &'a str,
-        token: i64,
-        ttl_ms: Option<i64>,
-        now: Millis,
-    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
     fn current_lease<'a>(
         &'a mut self,
         resource: &'a str,
@@ -167,6 +155,19 @@ pub trait Backend: Send + Sync + 'static {
     /// What the writer did so far, shared with /metrics.
     fn write_counters(&self) -> counters::WriteCounters;
     fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
+    /// Renew the lease `id` in one statement of its own, outside any write
+    /// transaction, if it needs nothing judged: current with `token`, no
+    /// owner, no parent, its TTL not passed at `now`. Persisted before it
+    /// returns. None when it is not such a lease, or when this store renews
+    /// better inside its group commit (SQLite, whose renewals need not reach
+    /// the disk one by one): then the caller runs the renewal script.
+    fn renew_unowned<'a>(
+        &'a self,
+        id: &'a str,
+        token: i64,
+        ttl_ms: Option<i64>,
+        now: Millis,
+    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
     fn list_leases<'a>(
         &'a self,
         filter: &'a LeaseFilter,

@@ -61,6 +61,30 @@ impl<D: Db> Backend for SqlStore<D> {
         read!(self, |c| rows::lease(c, id))
     }
 
+    fn renew_unowned<'a>(
+        &'a self,
+        id: &'a str,
+        token: i64,
+        ttl_ms: Option<i64>,
+        now: Millis,
+    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
+        if D::RELAXED_RENEWALS {
+            return Box::pin(async { Ok(None) });
+        }
+        // One autocommit statement, durable when it returns. It needs no
+        // fleet lock: it re-checks everything it relies on in its WHERE,
+        // and every write transaction reads a lease it may change with a
+        // row lock (`Exec::locks_rows`), so neither overwrites the other.
+        Box::pin(async move {
+            let mut conn = self.conn().await?;
+            let renewed = rows::renew_unowned(&mut *conn, id, token, ttl_ms, now).await?;
+            if renewed.is_some() {
+                self.writes.counters().ran(true, 1);
+            }
+            Ok(renewed)
+        })
+    }
+
     fn list_leases<'a>(
         &'a self,
         filter: &'a LeaseFilter,

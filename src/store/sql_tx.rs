@@ -42,24 +42,6 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         })
     }
 
-    fn renew_unowned<'a>(
-        &'a mut self,
-        id: &'a str,
-        token: i64,
-        ttl_ms: Option<i64>,
-        now: Millis,
-    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        Box::pin(async move {
-            // With the writer's cache (SQLite), the read is free and the
-            // update is queued with the batch's others: one statement that
-            // must answer would cost a round trip of its own.
-            if self.cache.is_some() {
-                return Ok(None);
-            }
-            rows::renew_unowned(self.conn, id, token, ttl_ms, now).await
-        })
-    }
-
     fn current_lease<'a>(
         &'a mut self,
         resource: &'a str,

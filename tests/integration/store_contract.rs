@@ -1553,11 +1553,10 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
         insert_lease(&s.store, l.clone()).await.expect("insert");
     }
     let renew = |id: &'static str, token: i64, ttl_ms: Option<i64>| {
-        s.store
-            .write(true, move |tx| tx.renew_unowned(id, token, ttl_ms, now))
+        s.backend().renew_unowned(id, token, ttl_ms, now)
     };
     // Only PostgreSQL renews in one statement: SQLite's writer reads leases
-    // from its cache and queues the update, for less.
+    // from its cache and queues the update with others, unsynced, for less.
     let one_statement = matches!(stores::current(), stores::Store::Postgres);
     let renewed = renew("plain", 1, Some(5_000)).await.expect("renew");
     let expected = LeaseRecord {
@@ -1590,5 +1589,79 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
         let after = s.backend().get_lease(id).await.expect("get");
         assert_eq!(after, Some(before), "{id} unchanged");
     }
+    s.close().await;
+}
+
+stores!(a_one_statement_renewal_waits_for_a_transaction_that_read_the_lease);
+/// The one-statement renewal runs outside the fleet's write lock: a write
+/// transaction that read a lease and then writes it whole must not lose a
+/// renewal made in between, nor may the renewal be answered for a lease
+/// that transaction ends. It reads the lease with a row lock, so the
+/// renewal waits for its commit and then finds the lease ended.
+async fn a_one_statement_renewal_waits_for_a_transaction_that_read_the_lease() {
+    if !matches!(stores::current(), stores::Store::Postgres) {
+        return;
+    }
+    let place = Place::new().await;
+    let s = place.open().await;
+    let now = T0 + 10_000;
+    let plain = LeaseRecord {
+        ttl_ms: Some(30_000),
+        expires_at: Some(now + 1),
+        ..lease("plain", "u/plain", 1)
+    };
+    insert_lease(&s.store, plain.clone()).await.expect("insert");
+    let (read_tx, read_rx) = tokio::sync::oneshot::channel::<()>();
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let store = s.store.clone();
+    let ending = tokio::spawn(async move {
+        store
+            .write(true, move |tx| {
+                Box::pin(async move {
+                    let mut rec = tx.lease("plain").await?.expect("the lease");
+                    let _ = read_tx.send(());
+                    let _ = go_rx.await;
+                    rec.state = LeaseState::Released;
+                    rec.ended_at = Some(now);
+                    rec.end_reason = Some("released".into());
+                    tx.update_lease(&rec).await
+                })
+            })
+            .await
+    });
+    read_rx.await.expect("the transaction read the lease");
+    let store = s.store.clone();
+    let renewal = tokio::spawn(async move {
+        let b = store.backend();
+        b.renew_unowned("plain", 1, Some(5_000), now).await
+    });
+    // The renewal is seen waiting on the row lock before the transaction
+    // goes on: it cannot have slipped in between the read and the write.
+    use sqlx::Connection;
+    let url = place.url.clone().expect("a database");
+    let mut watch = sqlx::PgConnection::connect(&url).await.expect("connect");
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock' \
+             AND query LIKE 'UPDATE leases%'",
+        )
+        .fetch_one(&mut watch)
+        .await
+        .expect("pg_stat_activity");
+        if waiting > 0 {
+            break;
+        }
+        assert!(!renewal.is_finished(), "the renewal did not wait");
+        tokio::task::yield_now().await;
+    }
+    let _ = go_tx.send(());
+    ending.await.expect("task").expect("ended");
+    let renewed = renewal.await.expect("task").expect("renewal");
+    assert_eq!(renewed, None, "a renewal of an ended lease is no renewal");
+    let after = s.backend().get_lease("plain").await.expect("get");
+    let after = after.expect("the lease");
+    assert_eq!(after.state, LeaseState::Released);
+    assert_eq!(after.expires_at, plain.expires_at, "expiry not moved");
     s.close().await;
 }

@@ -124,6 +124,10 @@ impl Exec for Tracked<'_> {
             self.note(out)
         })
     }
+
+    fn locks_rows(&self) -> bool {
+        true
+    }
 }
 
 /// BEGIN and take the fleet's write lock; the transaction's id.

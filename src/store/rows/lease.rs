@@ -38,9 +38,21 @@ async fn leases<E: Exec + ?Sized>(c: &mut E, s: Stmt<'_>) -> Result<Vec<LeaseRec
     c.fetch(s).await?.iter().map(lease_row).collect()
 }
 
+/// `sql`, or `locked` (the same with `FOR UPDATE`) where `c` locks what it
+/// reads (`Exec::locks_rows`).
+fn locking<E: Exec + ?Sized>(c: &E, sql: &'static str, locked: &'static str) -> &'static str {
+    if c.locks_rows() { locked } else { sql }
+}
+
 pub async fn lease<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Option<LeaseRecord>> {
     const SQL: &str = concat!("SELECT ", lease_cols!(), " FROM leases WHERE id = $1");
-    Ok(leases(c, Stmt::new(SQL).text(id)).await?.pop())
+    const LOCKED: &str = concat!(
+        "SELECT ",
+        lease_cols!(),
+        " FROM leases WHERE id = $1 FOR UPDATE"
+    );
+    let sql = locking(c, SQL, LOCKED);
+    Ok(leases(c, Stmt::new(sql).text(id)).await?.pop())
 }
 
 /// Renew in one statement the lease `id` if it needs nothing judged: current
@@ -66,8 +78,9 @@ pub async fn renew_unowned<E: Exec + ?Sized>(
     Ok(leases(c, s).await?.pop())
 }
 
-/// The current lease of `resource`. No row lock: every write transaction
-/// already excludes the others (SQLite's one writer, PostgreSQL's lock).
+/// The current lease of `resource`. Write transactions already exclude each
+/// other (SQLite's one writer, PostgreSQL's fleet lock); on PostgreSQL the
+/// row is locked against one-statement renewals all the same.
 pub async fn current_lease<E: Exec + ?Sized>(
     c: &mut E,
     resource: &str,
@@ -78,7 +91,15 @@ pub async fn current_lease<E: Exec + ?Sized>(
         " FROM leases WHERE resource = $1 AND ",
         lease_current!()
     );
-    Ok(leases(c, Stmt::new(SQL).text(resource)).await?.pop())
+    const LOCKED: &str = concat!(
+        "SELECT ",
+        lease_cols!(),
+        " FROM leases WHERE resource = $1 AND ",
+        lease_current!(),
+        " FOR UPDATE"
+    );
+    let sql = locking(c, SQL, LOCKED);
+    Ok(leases(c, Stmt::new(sql).text(resource)).await?.pop())
 }
 
 pub async fn next_token<E: Exec + ?Sized>(c: &mut E, resource: &str) -> Result<i64> {
