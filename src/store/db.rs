@@ -63,6 +63,19 @@ impl<'a> Stmt<'a> {
     }
 }
 
+/// A statement's parameters as a JSON row, for a statement that writes
+/// many such rows at once (the writers' grouped hot writes).
+pub fn json_row(s: Stmt<'_>) -> serde_json::Value {
+    use serde_json::json;
+    let value = |a: Arg<'_>| match a {
+        Arg::Text(v) => json!(v),
+        Arg::Owned(v) => json!(v),
+        Arg::Int(v) => json!(v),
+        Arg::Bool(v) => json!(v),
+    };
+    serde_json::Value::Array(s.args.into_iter().map(value).collect())
+}
+
 /// The columns of a row, as the records use them.
 pub trait Cols {
     fn opt_text(&self, i: usize) -> Result<Option<String>>;

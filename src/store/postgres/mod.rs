@@ -4,6 +4,7 @@
 //! behind writes; commits on other hosts arrive through `notify`.
 
 mod notify;
+mod pipeline;
 mod schema;
 mod writer;
 
@@ -183,6 +184,7 @@ impl SqlStore<Postgres> {
             ]);
         let place = describe(&opts);
         let pool = PgPoolOptions::new()
+            .after_connect(|conn, _| pipeline::install(conn))
             .max_connections(settings.max_connections.max(2))
             .acquire_timeout(settings.timeout)
             .connect_with(opts)

@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
 use sqlx::postgres::PgListener;
-use sqlx::{PgConnection, PgPool};
 
 use super::map_err;
-use crate::store::{BoxFuture, CommitListener, Effect, Result};
+use crate::store::{CommitListener, Effect, Result};
 
-const CHANNEL: &str = "holdfast";
+pub(super) const CHANNEL: &str = "holdfast";
 /// NOTIFY payloads must stay under 8000 bytes.
 const MAX_PAYLOAD: usize = 7000;
 
@@ -42,7 +42,7 @@ impl Notifier {
 
     /// One message per chunk of ended resources, each under the payload
     /// limit and each with the commit's newest seq.
-    fn payloads(&self, effects: &[Effect]) -> Vec<String> {
+    pub(super) fn payloads(&self, effects: &[Effect]) -> Vec<String> {
         let seq = effects
             .iter()
             .filter_map(|e| match e {
@@ -75,27 +75,6 @@ impl Notifier {
                 serde_json::to_string(&Message { from, seq, ended }).ok()
             })
             .collect()
-    }
-
-    /// Queue the notifications for `effects` in the open transaction.
-    pub fn send<'c>(
-        &self,
-        c: &'c mut PgConnection,
-        effects: &[Effect],
-    ) -> BoxFuture<'c, Result<()>> {
-        let payloads = self.payloads(effects);
-        Box::pin(async move {
-            if payloads.is_empty() {
-                return Ok(());
-            }
-            sqlx::query("SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p")
-                .bind(CHANNEL)
-                .bind(payloads)
-                .execute(c)
-                .await
-                .map_err(map_err)?;
-            Ok(())
-        })
     }
 
     /// Listen for other hosts' commits until the pool closes, on a

@@ -18,13 +18,13 @@ use futures_util::FutureExt;
 use sqlx::{PgConnection, PgPool};
 
 use super::map_err;
-use crate::store::db::{Exec, Stmt, conn_err};
+use super::pipeline::Pipeline;
+use crate::store::cache::Cache;
+use crate::store::db::conn_err;
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
 use crate::store::sql_tx::SqlTx;
 use crate::store::{BoxFuture, CommitListener, Effect, Result, StoreError};
-use crate::time::Millis;
-use sqlx::postgres::PgRow;
 
 struct Writer {
     pool: PgPool,
@@ -74,73 +74,22 @@ impl Batches for Writer {
     }
 }
 
-/// A connection that notes whether any statement on it failed.
-struct Tracked<'c> {
-    conn: &'c mut PgConnection,
-    failed: bool,
-}
-
-impl Tracked<'_> {
-    fn note<T>(&mut self, out: Result<T>) -> Result<T> {
-        self.failed |= out.is_err();
-        out
-    }
-}
-
-impl Exec for Tracked<'_> {
-    type Row = PgRow;
-
-    fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<PgRow>>> {
-        Box::pin(async move {
-            let out = self.conn.fetch(s).await;
-            self.note(out)
-        })
-    }
-
-    fn execute<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let out = self.conn.execute(s).await;
-            self.note(out)
-        })
-    }
-
-    fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async move {
-            let out = self.conn.execute_one(s, what).await;
-            self.note(out)
-        })
-    }
-
-    fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
-        Box::pin(async move {
-            let out = self.conn.append_event(at, body).await;
-            self.note(out)
-        })
-    }
-
-    fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>> {
-        Box::pin(async move {
-            let out = self.conn.last_event_seq().await;
-            self.note(out)
-        })
-    }
-
-    fn locks_rows(&self) -> bool {
-        true
-    }
-}
-
-/// BEGIN and take the fleet's write lock; the transaction's id.
-fn begin(c: &mut PgConnection) -> BoxFuture<'_, Result<i64>> {
+/// BEGIN and take the fleet's write lock; the transaction's id and the
+/// last event seq.
+fn begin(c: &mut PgConnection) -> BoxFuture<'_, Result<(i64, i64)>> {
     Box::pin(async move {
-        let rows =
-            sqlx::Executor::fetch_all(c, "BEGIN; SELECT txid_current() FROM event_seq FOR UPDATE")
-                .await
-                .map_err(map_err)?;
+        let rows = sqlx::Executor::fetch_all(
+            c,
+            "BEGIN; SELECT txid_current(), seq FROM event_seq FOR UPDATE",
+        )
+        .await
+        .map_err(map_err)?;
         let row = rows
             .first()
             .ok_or_else(|| StoreError::Other("event_seq has no row".into()))?;
-        sqlx::Row::try_get::<i64, _>(row, 0).map_err(map_err)
+        let txid = sqlx::Row::try_get::<i64, _>(row, 0).map_err(map_err)?;
+        let seq = sqlx::Row::try_get::<i64, _>(row, 1).map_err(map_err)?;
+        Ok((txid, seq))
     })
 }
 
@@ -193,23 +142,24 @@ impl Writer {
         // One round trip: a simple query may hold several statements. The
         // transaction's id tells, should the COMMIT's answer be lost,
         // whether it committed.
-        let txid = match begin(&mut conn).await {
-            Ok(txid) => txid,
+        let (txid, seq) = match begin(&mut conn).await {
+            Ok(begun) => begun,
             Err(e) => {
                 let _ = exec(&mut conn, "ROLLBACK").await;
                 fail(batch.into_iter().map(|j| j.reply), &e);
                 return Vec::new();
             }
         };
+        let mut pipe = Pipeline::new(&mut conn, seq);
+        // What this transaction read and wrote: it holds the fleet's lock
+        // and its row locks, so no one else changes those rows meanwhile.
+        let mut cache = Cache::default();
         let mut done = Vec::with_capacity(batch.len());
         let mut effects = Vec::new();
         let mut jobs = batch.into_iter();
         while let Some(job) = jobs.next() {
-            let mut tracked = Tracked {
-                conn: &mut conn,
-                failed: false,
-            };
-            let mut tx = SqlTx::new(&mut tracked, None);
+            pipe.failed = false;
+            let mut tx = SqlTx::new(&mut pipe, Some(&mut cache));
             let out = std::panic::AssertUnwindSafe((job.run)(&mut tx))
                 .catch_unwind()
                 .await
@@ -218,7 +168,7 @@ impl Writer {
             // A failed statement aborts the whole PostgreSQL transaction: a
             // job that went on and answered Ok lost its writes all the same.
             let out = match out {
-                Ok(_) if tracked.failed => Err(StoreError::Other(
+                Ok(_) if pipe.failed => Err(StoreError::Other(
                     "a statement of the job failed; nothing of it is kept".into(),
                 )),
                 out => out,
@@ -241,19 +191,20 @@ impl Writer {
                     // only a database or code failure gets here. The jobs
                     // that ran with it were not kept and may be retried; those
                     // that did not run yet go back to the queue.
-                    let _ = exec(&mut conn, "ROLLBACK").await;
+                    let _ = exec(pipe.conn(), "ROLLBACK").await;
                     let _ = job.reply.send(Err(e));
                     fail(done.into_iter().map(|(r, _)| r), &StoreError::Busy);
                     return jobs.collect();
                 }
             }
         }
-        let committed = async {
-            // Delivered to the other hosts only if this commits.
-            self.notify.send(&mut conn, &effects).await?;
-            exec(&mut conn, "COMMIT").await
-        }
-        .await;
+        // The queued writes and the notifications, delivered to the other
+        // hosts only if this commits, in one round trip; then COMMIT.
+        let notices = self.notify.payloads(&effects);
+        let committed = match pipe.send(super::notify::CHANNEL, &notices).await {
+            Ok(()) => exec(&mut conn, "COMMIT").await,
+            Err(e) => Err(e),
+        };
         if let Err(e) = committed {
             let _ = exec(&mut conn, "ROLLBACK").await;
             conn.close_on_drop();
@@ -285,8 +236,10 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::LeaseState;
     use crate::store::postgres::{PgStore, PoolSettings};
     use crate::store::{JobFn, JobOutput};
+    use crate::tx::fixture::lease_record;
     use sqlx::Connection;
     use tokio::sync::oneshot;
 
@@ -332,7 +285,11 @@ mod tests {
             .expect("store");
         crate::store::Backend::close(&store).await;
         Some(Writer {
-            pool: PgPool::connect(&url).await.expect("pool"),
+            pool: sqlx::postgres::PgPoolOptions::new()
+                .after_connect(|c, _| super::super::pipeline::install(c))
+                .connect(&url)
+                .await
+                .expect("pool"),
             listener: Arc::new(Nobody),
             notify: super::super::notify::Notifier::new(),
             batch_limit: Duration::from_secs(30),
@@ -358,6 +315,180 @@ mod tests {
             },
             rx,
         )
+    }
+
+    /// A job of `f`, and where its answer arrives.
+    fn job<F>(f: F) -> (Job, oneshot::Receiver<Result<JobOutput>>)
+    where
+        F: for<'t> FnOnce(&'t mut dyn crate::store::Tx) -> BoxFuture<'t, Result<()>>
+            + Send
+            + 'static,
+    {
+        let (reply, rx) = oneshot::channel();
+        let run: JobFn = Box::new(move |tx| {
+            Box::pin(async move { f(tx).await.map(|()| Box::new(()) as JobOutput) })
+        });
+        let job = Job {
+            durable: true,
+            run,
+            reply,
+        };
+        (job, rx)
+    }
+
+    /// Acquire `resource` for lease `id` as the lease script does: none
+    /// current, the next token, the insert and its event.
+    fn acquire(id: &'static str, resource: &'static str, token: i64) -> (Job, Rx) {
+        job(move |tx| {
+            Box::pin(async move {
+                assert_eq!(tx.current_lease(resource).await?, None, "{id}: free");
+                assert_eq!(tx.next_token(resource).await?, token);
+                let mut rec = lease_record(id, resource, LeaseState::Active);
+                rec.token = token;
+                tx.insert_lease(&rec).await?;
+                tx.append_event(1, format!(r#"{{"acquired":"{id}"}}"#))
+                    .await?;
+                Ok(())
+            })
+        })
+    }
+
+    fn release(id: &'static str) -> (Job, Rx) {
+        job(move |tx| {
+            Box::pin(async move {
+                let mut rec = tx.lease(id).await?.expect("the lease");
+                assert_eq!(rec.state, LeaseState::Active, "{id} read as written");
+                rec.state = LeaseState::Released;
+                rec.ended_at = Some(2);
+                tx.update_lease(&rec).await?;
+                tx.append_event(2, format!(r#"{{"released":"{id}"}}"#))
+                    .await?;
+                Ok(())
+            })
+        })
+    }
+
+    type Rx = oneshot::Receiver<Result<JobOutput>>;
+
+    async fn answered(rxs: Vec<Rx>) {
+        let mut outs = Vec::new();
+        for rx in rxs {
+            outs.push(rx.await.map(|o| o.map(|_| ())));
+        }
+        assert!(
+            outs.iter().all(|o| matches!(o, Ok(Ok(())))),
+            "every job succeeded: {outs:?}"
+        );
+    }
+
+    /// The queued writes (see `pipeline`): jobs of one batch read what the
+    /// jobs before them wrote though it was not sent yet, a statement the
+    /// queue could change sends it first, and the queue's rows land in an
+    /// order the one-current-lease index accepts.
+    #[tokio::test]
+    async fn jobs_of_one_batch_see_the_queued_writes_of_the_jobs_before_them() {
+        let Some(w) = store().await else {
+            return;
+        };
+        let (mut jobs, mut rxs) = (Vec::new(), Vec::new());
+        let steps = [
+            acquire("a", "r", 1),
+            release("a"),
+            // An ended lease is read from the database (the cache keeps
+            // current ones): its queued update goes out first.
+            job(|tx| {
+                Box::pin(async move {
+                    let a = tx.lease("a").await?.map(|l| l.state);
+                    assert_eq!(a, Some(LeaseState::Released));
+                    Ok(())
+                })
+            }),
+            acquire("b", "r", 2),
+            // Not queued: the queue goes out before it.
+            set("between", false),
+            release("b"),
+            acquire("c", "r", 3),
+            job(|tx| {
+                Box::pin(async move {
+                    assert_eq!(tx.current_lease("r").await?.map(|l| l.id), Some("c".into()));
+                    Ok(())
+                })
+            }),
+        ];
+        for (j, rx) in steps {
+            jobs.push(j);
+            rxs.push(rx);
+        }
+        let left = w.run_batch(jobs).await.len();
+        answered(rxs).await;
+        assert_eq!(left, 0);
+        // The next batch starts from the database: c is current, and its
+        // end and d's start land in one send.
+        let (end_c, c_rx) = release("c");
+        let (start_d, d_rx) = acquire("d", "r", 4);
+        assert!(w.run_batch(vec![end_c, start_d]).await.is_empty());
+        answered(vec![c_rx, d_rx]).await;
+
+        let states: Vec<(String, String, i64)> =
+            sqlx::query_as("SELECT id, state, token FROM leases ORDER BY id")
+                .fetch_all(&w.pool)
+                .await
+                .expect("leases");
+        let released = |id: &str, token| (id.to_owned(), "released".to_owned(), token);
+        assert_eq!(
+            states,
+            [
+                released("a", 1),
+                released("b", 2),
+                released("c", 3),
+                ("d".into(), "active".into(), 4)
+            ]
+        );
+        let token: i64 = sqlx::query_scalar("SELECT last_token FROM resources")
+            .fetch_one(&w.pool)
+            .await
+            .expect("token");
+        assert_eq!(token, 4);
+        let seqs: Vec<i64> = sqlx::query_scalar("SELECT seq FROM events ORDER BY seq")
+            .fetch_all(&w.pool)
+            .await
+            .expect("events");
+        assert_eq!(
+            seqs,
+            (1..=7).collect::<Vec<_>>(),
+            "one per lease change, in order"
+        );
+        let last: i64 = sqlx::query_scalar("SELECT seq FROM event_seq")
+            .fetch_one(&w.pool)
+            .await
+            .expect("event_seq");
+        assert_eq!(last, 7);
+    }
+
+    #[tokio::test]
+    async fn a_queued_update_of_a_lease_that_is_not_there_fails_its_batch() {
+        let Some(w) = store().await else {
+            return;
+        };
+        let (ghost, ghost_rx) = job(|tx| {
+            Box::pin(async move {
+                tx.update_lease(&lease_record("ghost", "r", LeaseState::Released))
+                    .await
+            })
+        });
+        let (kept, kept_rx) = set("kept", false);
+        assert!(w.run_batch(vec![kept, ghost]).await.is_empty());
+        assert!(matches!(kept_rx.await, Ok(Err(_))), "not kept");
+        let ghost = ghost_rx.await.map(|o| o.map(|_| ()));
+        assert!(
+            matches!(&ghost, Ok(Err(StoreError::Other(m))) if m.contains("vanished")),
+            "{ghost:?}"
+        );
+        let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM meta WHERE key = 'kept'")
+            .fetch_one(&w.pool)
+            .await
+            .expect("meta");
+        assert_eq!(keys, 0, "the batch was rolled back");
     }
 
     #[tokio::test]

@@ -44,14 +44,16 @@ fn locking<E: Exec + ?Sized>(c: &E, sql: &'static str, locked: &'static str) -> 
     if c.locks_rows() { locked } else { sql }
 }
 
+/// A lease by id (`$1`), locked.
+pub const LEASE_LOCKED: &str = concat!(
+    "SELECT ",
+    lease_cols!(),
+    " FROM leases WHERE id = $1 FOR UPDATE"
+);
+
 pub async fn lease<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Option<LeaseRecord>> {
     const SQL: &str = concat!("SELECT ", lease_cols!(), " FROM leases WHERE id = $1");
-    const LOCKED: &str = concat!(
-        "SELECT ",
-        lease_cols!(),
-        " FROM leases WHERE id = $1 FOR UPDATE"
-    );
-    let sql = locking(c, SQL, LOCKED);
+    let sql = locking(c, SQL, LEASE_LOCKED);
     Ok(leases(c, Stmt::new(sql).text(id)).await?.pop())
 }
 
@@ -78,6 +80,15 @@ pub async fn renew_unowned<E: Exec + ?Sized>(
     Ok(leases(c, s).await?.pop())
 }
 
+/// The current lease of a resource (`$1`), locked.
+pub const CURRENT_LOCKED: &str = concat!(
+    "SELECT ",
+    lease_cols!(),
+    " FROM leases WHERE resource = $1 AND ",
+    lease_current!(),
+    " FOR UPDATE"
+);
+
 /// The current lease of `resource`. Write transactions already exclude each
 /// other (SQLite's one writer, PostgreSQL's fleet lock); on PostgreSQL the
 /// row is locked against one-statement renewals all the same.
@@ -91,23 +102,17 @@ pub async fn current_lease<E: Exec + ?Sized>(
         " FROM leases WHERE resource = $1 AND ",
         lease_current!()
     );
-    const LOCKED: &str = concat!(
-        "SELECT ",
-        lease_cols!(),
-        " FROM leases WHERE resource = $1 AND ",
-        lease_current!(),
-        " FOR UPDATE"
-    );
-    let sql = locking(c, SQL, LOCKED);
+    let sql = locking(c, SQL, CURRENT_LOCKED);
     Ok(leases(c, Stmt::new(sql).text(resource)).await?.pop())
 }
 
+/// Counts a resource's (`$1`) last token on by one and returns it.
+pub const NEXT_TOKEN: &str = "INSERT INTO resources (resource, last_token) VALUES ($1, 1) \
+     ON CONFLICT (resource) DO UPDATE SET last_token = resources.last_token + 1 \
+     RETURNING last_token";
+
 pub async fn next_token<E: Exec + ?Sized>(c: &mut E, resource: &str) -> Result<i64> {
-    let s = Stmt::new(
-        "INSERT INTO resources (resource, last_token) VALUES ($1, 1) \
-         ON CONFLICT (resource) DO UPDATE SET last_token = resources.last_token + 1 \
-         RETURNING last_token",
-    );
+    let s = Stmt::new(NEXT_TOKEN);
     scalar(c, s.text(resource))
         .await?
         .ok_or_else(|| StoreError::Other("no token was returned".into()))
@@ -133,6 +138,9 @@ pub const INSERT_LEASE: &str = concat!(
 /// Updates a lease: `$1` its id, then the columns that change.
 pub const UPDATE_LEASE: &str = "UPDATE leases SET state = $2, owner = $3, ttl_ms = $4, \
      expires_at = $5, renewed_at = $6, ended_at = $7, end_reason = $8 WHERE id = $1";
+
+/// Where each value of an `UPDATE_LEASE` row goes in an `INSERT_LEASE` row.
+pub const UPDATE_INTO_INSERT: [usize; 8] = [0, 4, 5, 9, 10, 12, 13, 14];
 
 /// `INSERT_LEASE` for `l`.
 pub fn insert_lease_stmt(l: &LeaseRecord) -> Result<Stmt<'_>> {

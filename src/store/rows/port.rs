@@ -87,13 +87,15 @@ pub async fn insert_port<E: Exec + ?Sized>(c: &mut E, p: &PortRecord) -> Result<
     c.execute(s).await
 }
 
+/// The current reservations of an owner (`$1`), by name.
+pub const PORTS_OF: &str = concat!(
+    "SELECT ",
+    port_cols!(),
+    " FROM ports WHERE owner_id = $1 AND released_at IS NULL ORDER BY name"
+);
+
 pub async fn ports_of<E: Exec + ?Sized>(c: &mut E, owner_id: &str) -> Result<Vec<PortRecord>> {
-    const SQL: &str = concat!(
-        "SELECT ",
-        port_cols!(),
-        " FROM ports WHERE owner_id = $1 AND released_at IS NULL ORDER BY name"
-    );
-    ports(c, Stmt::new(SQL).text(owner_id)).await
+    ports(c, Stmt::new(PORTS_OF).text(owner_id)).await
 }
 
 pub async fn ports_of_owners<E: Exec + ?Sized>(

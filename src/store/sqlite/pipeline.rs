@@ -20,8 +20,8 @@ use sqlx::{Either, Sqlite, SqliteConnection};
 
 use super::hot::{self, EVENTS, KINDS, LEASE_INSERTS, LEASE_UPDATES, TOKENS};
 use super::map_err;
-use crate::store::db::{Arg, Exec, Hot, Stmt, query, vanished};
-use crate::store::rows::UPDATE_LEASE;
+use crate::store::db::{Arg, Exec, Hot, Stmt, json_row, query, vanished};
+use crate::store::rows::{UPDATE_INTO_INSERT, UPDATE_LEASE};
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
@@ -36,9 +36,6 @@ pub const BATCH: usize = usize::MAX;
 
 /// How the writer opens every transaction.
 pub const BEGIN: &str = "BEGIN IMMEDIATE";
-
-/// Where each value of an `UPDATE_LEASE` row goes in an `INSERT_LEASE` row.
-const UPDATE_INTO_INSERT: [usize; 8] = [0, 4, 5, 9, 10, 12, 13, 14];
 
 /// A failed send: the job that queued the statement that failed, and why.
 #[derive(Debug)]
@@ -126,17 +123,6 @@ fn owned(a: Arg<'_>) -> Arg<'static> {
         Arg::Int(v) => Arg::Int(v),
         Arg::Bool(v) => Arg::Bool(v),
     }
-}
-
-/// A statement's parameters as a JSON row, for a grouped statement.
-fn json_row(s: Stmt<'_>) -> Value {
-    let value = |a: Arg<'_>| match a {
-        Arg::Text(v) => json!(v),
-        Arg::Owned(v) => json!(v),
-        Arg::Int(v) => json!(v),
-        Arg::Bool(v) => json!(v),
-    };
-    Value::Array(s.args.into_iter().map(value).collect())
 }
 
 /// A JSON row as the parameters of the one-row statement. SQLite's NULL

@@ -1,0 +1,325 @@
+//! A PostgreSQL write transaction's statements, in as few round trips as
+//! the jobs allow. sqlx sends every statement as a round trip of its own (it
+//! does not pipeline), and each wakes a server process and this task, which
+//! costs more than the statement. As SQLite's writer does
+//! (`sqlite::pipeline`), the writes of the hot paths (lease inserts and
+//! updates, token counters, events) are kept as rows and written by one call
+//! of a function that runs one statement per kind, in order: at the end of
+//! the batch with the commit's notifications, or earlier, before any
+//! statement that could see them.
+//!
+//! Reads that the queued rows cannot change go out at once: a lease or the
+//! current lease of a resource the queue holds no row of, the token counter
+//! of a resource it holds none of, an owner's reservations (never queued).
+//! Any other statement sends the queue first, so it sees every write before
+//! it, in order. Event seqs are counted here: the transaction holds the
+//! fleet's write lock (the row of `event_seq`), so no one else takes one.
+
+use std::collections::{HashMap, HashSet};
+
+use serde_json::{Value, json};
+use sqlx::PgConnection;
+use sqlx::postgres::PgRow;
+
+use crate::store::db::{Cols, Exec, Hot, Stmt, json_row};
+use crate::store::rows::{CURRENT_LOCKED, LEASE_LOCKED, NEXT_TOKEN, PORTS_OF, UPDATE_INTO_INSERT};
+use crate::store::sql::lease_cols;
+use crate::store::{BoxFuture, Result};
+use crate::time::Millis;
+
+/// Writes the queued rows of each kind (JSON arrays of rows): lease updates
+/// first (an update only keeps a lease current or ends it, and an ended
+/// lease must make way before a new current one on its resource is
+/// inserted), then lease inserts, events, token counters; moves the event
+/// counter to `last_seq` and sends the notifications. A temporary function,
+/// created on every connection (`install`): no migration carries it, and a
+/// holdfast of another version on the same database never sees it.
+const FUNCTION: &str = concat!(
+    "CREATE OR REPLACE FUNCTION pg_temp.holdfast_write(
+        lease_updates jsonb, lease_inserts jsonb, new_events jsonb, tokens jsonb,
+        last_seq bigint, channel text, notices jsonb) RETURNS void LANGUAGE plpgsql AS $fn$
+    DECLARE
+        changed bigint;
+    BEGIN
+        UPDATE leases SET state = j->>1, owner = j->>2, ttl_ms = (j->>3)::bigint,
+            expires_at = (j->>4)::bigint, renewed_at = (j->>5)::bigint,
+            ended_at = (j->>6)::bigint, end_reason = j->>7
+            FROM jsonb_array_elements(lease_updates) AS j WHERE leases.id = j->>0;
+        GET DIAGNOSTICS changed = ROW_COUNT;
+        IF changed <> jsonb_array_length(lease_updates) THEN
+            RAISE EXCEPTION 'a lease vanished during update';
+        END IF;
+        INSERT INTO leases (",
+    lease_cols!(),
+    ") SELECT j->>0, j->>1, (j->>2)::bigint, j->>3, j->>4, j->>5, j->>6, j->>7,
+            (j->>8)::bigint, (j->>9)::bigint, (j->>10)::bigint, (j->>11)::bigint,
+            (j->>12)::bigint, (j->>13)::bigint, j->>14, j->>15
+            FROM jsonb_array_elements(lease_inserts) AS j;
+        INSERT INTO events (seq, at, body) SELECT (j->>0)::bigint, (j->>1)::bigint, j->>2
+            FROM jsonb_array_elements(new_events) AS j;
+        INSERT INTO resources (resource, last_token) SELECT j->>0, (j->>1)::bigint
+            FROM jsonb_array_elements(tokens) AS j
+            ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token;
+        IF last_seq IS NOT NULL THEN
+            UPDATE event_seq SET seq = last_seq;
+        END IF;
+        PERFORM pg_notify(channel, p) FROM jsonb_array_elements_text(notices) AS p;
+    END
+    $fn$"
+);
+
+const WRITE: &str = "SELECT pg_temp.holdfast_write($1::jsonb, $2::jsonb, $3::jsonb, \
+     $4::jsonb, $5, $6, $7::jsonb)";
+
+/// Create the function on a new connection.
+pub fn install(conn: &mut PgConnection) -> BoxFuture<'_, std::result::Result<(), sqlx::Error>> {
+    Box::pin(async move {
+        sqlx::Executor::execute(conn, FUNCTION).await?;
+        Ok(())
+    })
+}
+
+/// The rows waiting to be written.
+#[derive(Default)]
+struct Queue {
+    updates: Vec<Value>,
+    inserts: Vec<Value>,
+    events: Vec<Value>,
+    tokens: Vec<Value>,
+    /// Each queued lease: whether its row is an insert, and where.
+    leases: HashMap<String, (bool, usize)>,
+    /// Each queued token counter's row.
+    token_rows: HashMap<String, usize>,
+    /// Resources of the queued lease rows.
+    resources: HashSet<String>,
+    /// An update of a lease whose resource is not known is queued.
+    unknown_resource: bool,
+}
+
+impl Queue {
+    fn is_empty(&self) -> bool {
+        self.updates.is_empty()
+            && self.inserts.is_empty()
+            && self.events.is_empty()
+            && self.tokens.is_empty()
+    }
+}
+
+pub struct Pipeline<'c> {
+    conn: &'c mut PgConnection,
+    /// A statement of the current job failed (which aborts the transaction).
+    pub failed: bool,
+    queue: Queue,
+    /// The last event seq handed out, queued events included.
+    seq: i64,
+    /// The resource of each lease read in this transaction.
+    seen: HashMap<String, String>,
+    /// Statements sent, for /metrics.
+    pub round_trips: u64,
+}
+
+fn first_text<'s>(s: &'s Stmt<'_>) -> Option<&'s str> {
+    match s.args.first() {
+        Some(crate::store::db::Arg::Text(v)) => *v,
+        Some(crate::store::db::Arg::Owned(v)) => v.as_deref(),
+        _ => None,
+    }
+}
+
+fn text_at(row: &Value, i: usize) -> String {
+    row.get(i).and_then(Value::as_str).unwrap_or("").to_owned()
+}
+
+impl<'c> Pipeline<'c> {
+    /// For a transaction that holds the fleet's write lock and read `seq`
+    /// from `event_seq`.
+    pub fn new(conn: &'c mut PgConnection, seq: i64) -> Self {
+        Self {
+            conn,
+            failed: false,
+            queue: Queue::default(),
+            seq,
+            seen: HashMap::new(),
+            round_trips: 0,
+        }
+    }
+
+    pub fn conn(&mut self) -> &mut PgConnection {
+        self.conn
+    }
+
+    fn note<T>(&mut self, out: Result<T>) -> Result<T> {
+        self.failed |= out.is_err();
+        out
+    }
+
+    /// Whether statement `s`, a read, may see what is queued.
+    fn sees_queue(&self, s: &Stmt<'_>) -> bool {
+        if self.queue.is_empty() {
+            return false;
+        }
+        let key = first_text(s).unwrap_or("");
+        if s.sql == LEASE_LOCKED {
+            self.queue.leases.contains_key(key)
+        } else if s.sql == CURRENT_LOCKED {
+            self.queue.unknown_resource || self.queue.resources.contains(key)
+        } else if s.sql == NEXT_TOKEN {
+            self.queue.token_rows.contains_key(key)
+        } else {
+            s.sql != PORTS_OF
+        }
+    }
+
+    /// Write what is queued, and send `notices` (JSON messages) on `channel`.
+    pub async fn send(&mut self, channel: &str, notices: &[String]) -> Result<()> {
+        if self.queue.is_empty() && notices.is_empty() {
+            return Ok(());
+        }
+        let q = std::mem::take(&mut self.queue);
+        let last_seq = (!q.events.is_empty()).then_some(self.seq);
+        let text = |rows: Vec<Value>| Some(Value::Array(rows).to_string());
+        let s = Stmt::new(WRITE)
+            .owned(text(q.updates))
+            .owned(text(q.inserts))
+            .owned(text(q.events))
+            .owned(text(q.tokens))
+            .opt_int(last_seq)
+            .text(channel)
+            .owned(Some(json!(notices).to_string()));
+        self.round_trips += 1;
+        let out = self.conn.fetch(s).await.map(|_| ());
+        self.note(out)
+    }
+
+    fn queue_update(&mut self, row: Value) {
+        let id = text_at(&row, 0);
+        match self.queue.leases.get(&id).copied() {
+            Some((true, i)) => {
+                if let Some(insert) = self.queue.inserts.get_mut(i) {
+                    for (from, to) in UPDATE_INTO_INSERT.into_iter().enumerate() {
+                        insert[to] = row[from].clone();
+                    }
+                }
+            }
+            Some((false, i)) => self.queue.updates[i] = row,
+            None => {
+                match self.seen.get(&id) {
+                    Some(resource) => {
+                        self.queue.resources.insert(resource.clone());
+                    }
+                    None => self.queue.unknown_resource = true,
+                }
+                self.queue
+                    .leases
+                    .insert(id, (false, self.queue.updates.len()));
+                self.queue.updates.push(row);
+            }
+        }
+    }
+
+    fn queue_insert(&mut self, row: Value) {
+        let (id, resource) = (text_at(&row, 0), text_at(&row, 1));
+        self.seen.insert(id.clone(), resource.clone());
+        self.queue.resources.insert(resource);
+        self.queue
+            .leases
+            .insert(id, (true, self.queue.inserts.len()));
+        self.queue.inserts.push(row);
+    }
+
+    fn queue_token(&mut self, row: Value) {
+        let resource = text_at(&row, 0);
+        match self.queue.token_rows.get(&resource) {
+            Some(&i) => self.queue.tokens[i] = row,
+            None => {
+                self.queue
+                    .token_rows
+                    .insert(resource, self.queue.tokens.len());
+                self.queue.tokens.push(row);
+            }
+        }
+    }
+
+    /// Send the queue if it is not empty, before a statement that may see it.
+    async fn send_queue(&mut self) -> Result<()> {
+        if self.queue.is_empty() {
+            return Ok(());
+        }
+        self.send("", &[]).await
+    }
+}
+
+impl Exec for Pipeline<'_> {
+    type Row = PgRow;
+
+    fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<PgRow>>> {
+        Box::pin(async move {
+            if self.sees_queue(&s) {
+                self.send_queue().await?;
+            }
+            let leases = s.sql == LEASE_LOCKED || s.sql == CURRENT_LOCKED;
+            self.round_trips += 1;
+            let out = self.conn.fetch(s).await;
+            let rows = self.note(out)?;
+            if leases {
+                for r in &rows {
+                    if let (Some(id), Some(resource)) = (r.opt_text(0)?, r.opt_text(1)?) {
+                        self.seen.insert(id, resource);
+                    }
+                }
+            }
+            Ok(rows)
+        })
+    }
+
+    fn execute<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.send_queue().await?;
+            self.round_trips += 1;
+            let out = self.conn.execute(s).await;
+            self.note(out)
+        })
+    }
+
+    fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            self.send_queue().await?;
+            self.round_trips += 1;
+            let out = self.conn.execute_one(s, what).await;
+            self.note(out)
+        })
+    }
+
+    /// Queued; an update that finds no lease fails the send (and so the
+    /// batch), as `execute_one` would have failed the job.
+    fn execute_hot<'a>(
+        &'a mut self,
+        hot: Hot,
+        s: Stmt<'a>,
+        _what: Option<String>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let row = json_row(s);
+        match hot {
+            Hot::LeaseInsert => self.queue_insert(row),
+            Hot::LeaseUpdate => self.queue_update(row),
+            Hot::Token => self.queue_token(row),
+        }
+        Box::pin(async { Ok(()) })
+    }
+
+    fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
+        self.seq += 1;
+        self.queue.events.push(json!([self.seq, at, body]));
+        let seq = self.seq;
+        Box::pin(async move { Ok(seq) })
+    }
+
+    fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>> {
+        let seq = self.seq;
+        Box::pin(async move { Ok(seq) })
+    }
+
+    fn locks_rows(&self) -> bool {
+        true
+    }
+}
