@@ -131,6 +131,11 @@ impl Metrics {
             "Mutations run by those transactions (mutations per transaction = this / store_transactions)",
             writes.jobs,
         );
+        registry.register(
+            "store_round_trips",
+            "Statements sent to PostgreSQL for writes (transactions and one-statement renewals), each a round trip; 0 on SQLite (round trips per mutation = this / store_transaction_jobs)",
+            writes.round_trips,
+        );
         Self { registry, ..m }
     }
 }

@@ -61,21 +61,28 @@ impl Api {
         matches!(answer, Ok((StatusCode::OK, v)) if v["state"] == "stopped")
     }
 
+    async fn metrics(&self) -> Option<String> {
+        let resp = self.client.get(format!("{}/metrics", self.base)).send();
+        resp.await.ok()?.error_for_status().ok()?.text().await.ok()
+    }
+
+    /// `holdfast_store_round_trips_total` (statements sent to PostgreSQL for
+    /// writes) in GET /metrics; None when the server does not export it.
+    pub async fn round_trips(&self) -> Option<f64> {
+        let text = self.metrics().await?;
+        text.lines().find_map(|l| {
+            let value = l.strip_prefix("holdfast_store_round_trips_total ")?;
+            value.trim().parse().ok()
+        })
+    }
+
     /// The durable commits so far: the samples with `sync="full"` of the counter
     /// `holdfast_store_transactions_total` (the group commit's write transactions; the
     /// name `holdfast_store_commits_total` is read too) in GET /metrics. 0 while the
     /// family is there without such a sample; None when the server does not export it.
     pub async fn durable_commits(&self) -> Option<f64> {
         const FAMILIES: [&str; 2] = ["holdfast_store_transactions", "holdfast_store_commits"];
-        let resp = self.client.get(format!("{}/metrics", self.base)).send();
-        let text = resp
-            .await
-            .ok()?
-            .error_for_status()
-            .ok()?
-            .text()
-            .await
-            .ok()?;
+        let text = self.metrics().await?;
         let mut found = None;
         for line in text.lines() {
             if let Some(family) = line.strip_prefix("# TYPE ")

@@ -28,6 +28,15 @@ pub fn ops_per_commit(requests: u64, commits: Option<f64>) -> String {
     }
 }
 
+/// `   rt/op X.X`: statements sent to PostgreSQL for writes per request answered;
+/// nothing when none was (SQLite).
+pub fn round_trips(requests: u64, trips: f64) -> String {
+    if trips <= 0.0 || requests == 0 {
+        return String::new();
+    }
+    format!("   rt/op {:.1}", trips / requests as f64)
+}
+
 /// `ratio <workload> C=<c> holdfast/<store> / <anchor> = X.XXx`.
 pub fn ratio(workload: &str, c: usize, store: &str, ours: f64, anchor: &str, theirs: f64) {
     let x = ours / theirs;

@@ -104,9 +104,9 @@ impl Target {
     ) -> f64 {
         let (name, unit) = workload.labels();
         let cpu_before = self.server.as_ref().and_then(Started::cpu_seconds);
-        let commits_before = match &self.endpoint {
-            Endpoint::Holdfast(api) => api.durable_commits().await,
-            _ => None,
+        let (commits_before, trips_before) = match &self.endpoint {
+            Endpoint::Holdfast(api) => (api.durable_commits().await, api.round_trips().await),
+            _ => (None, None),
         };
         let started = Instant::now();
         let deadline = started + Duration::from_secs_f64(seconds);
@@ -149,6 +149,9 @@ impl Target {
             };
             let requests = total.ops * holdfast::requests_per_op(workload);
             extra += &report::ops_per_commit(requests, commits);
+            if let (Some(before), Some(after)) = (trips_before, api.round_trips().await) {
+                extra += &report::round_trips(requests, after - before);
+            }
         }
         let label = format!("{name}/{}", self.label);
         report::run_line(&mut total, (&label, unit), c, rate, &extra);

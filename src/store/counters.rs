@@ -18,6 +18,8 @@ pub struct SyncLabel {
 pub struct WriteCounters {
     pub commits: Family<SyncLabel, Counter>,
     pub jobs: Counter,
+    /// Statements sent to PostgreSQL for writes, each a round trip.
+    pub round_trips: Counter,
     full: Counter,
     normal: Counter,
 }
@@ -30,6 +32,7 @@ impl Default for WriteCounters {
         Self {
             commits,
             jobs: Counter::default(),
+            round_trips: Counter::default(),
             full,
             normal,
         }

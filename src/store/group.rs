@@ -60,11 +60,16 @@ pub fn fail(replies: impl IntoIterator<Item = oneshot::Sender<Result<JobOutput>>
 
 impl<B: Batches> GroupCommit<B> {
     pub fn new(batches: B) -> Arc<Self> {
+        Self::counting(batches, WriteCounters::default())
+    }
+
+    /// With `counters` that `batches` counts into as well.
+    pub fn counting(batches: B, counters: WriteCounters) -> Arc<Self> {
         Arc::new(Self {
             queue: Mutex::default(),
             lead: Arc::default(),
             batches,
-            counters: WriteCounters::default(),
+            counters,
         })
     }
 

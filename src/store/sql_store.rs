@@ -78,8 +78,10 @@ impl<D: Db> Backend for SqlStore<D> {
         Box::pin(async move {
             let mut conn = self.conn().await?;
             let renewed = rows::renew_unowned(&mut *conn, id, token, ttl_ms, now).await?;
+            let counters = self.writes.counters();
+            counters.round_trips.inc();
             if renewed.is_some() {
-                self.writes.counters().ran(true, 1);
+                counters.ran(true, 1);
             }
             Ok(renewed)
         })

@@ -79,6 +79,27 @@ pub fn install(conn: &mut PgConnection) -> BoxFuture<'_, std::result::Result<(),
     })
 }
 
+/// A dollar-quote tag (`$hf$`, `$hf1$`, ...) that none of `values` contains.
+fn dollar_tag(values: &[String]) -> String {
+    (0..)
+        .map(|n: u64| match n {
+            0 => "$hf$".to_owned(),
+            n => format!("$hf{n}$"),
+        })
+        .find(|tag| values.iter().all(|v| !v.contains(tag.as_str())))
+        .unwrap_or_default()
+}
+
+/// `sql` as a simple query (several statements, no parameters).
+fn exec_raw(conn: &mut PgConnection, sql: String) -> BoxFuture<'_, Result<()>> {
+    Box::pin(async move {
+        // Boxed on its own, as `writer::exec` says.
+        let run: BoxFuture<'_, std::result::Result<_, sqlx::Error>> =
+            Box::pin(sqlx::Executor::execute(conn, sql.as_str()));
+        run.await.map(|_| ()).map_err(super::map_err)
+    })
+}
+
 /// The rows waiting to be written.
 #[derive(Default)]
 struct Queue {
@@ -170,25 +191,64 @@ impl<'c> Pipeline<'c> {
         }
     }
 
-    /// Write what is queued, and send `notices` (JSON messages) on `channel`.
-    pub async fn send(&mut self, channel: &str, notices: &[String]) -> Result<()> {
-        if self.queue.is_empty() && notices.is_empty() {
-            return Ok(());
-        }
+    /// The queue's rows of each kind as JSON text, and the seq to move the
+    /// event counter to; the queue is left empty.
+    fn take(&mut self) -> ([String; 4], Option<i64>) {
         let q = std::mem::take(&mut self.queue);
         let last_seq = (!q.events.is_empty()).then_some(self.seq);
-        let text = |rows: Vec<Value>| Some(Value::Array(rows).to_string());
+        let text = |rows: Vec<Value>| Value::Array(rows).to_string();
+        let rows = [q.updates, q.inserts, q.events, q.tokens].map(text);
+        (rows, last_seq)
+    }
+
+    /// Write what is queued, before a statement that may see it.
+    async fn send_queue(&mut self) -> Result<()> {
+        if self.queue.is_empty() {
+            return Ok(());
+        }
+        let ([updates, inserts, events, tokens], last_seq) = self.take();
         let s = Stmt::new(WRITE)
-            .owned(text(q.updates))
-            .owned(text(q.inserts))
-            .owned(text(q.events))
-            .owned(text(q.tokens))
+            .owned(Some(updates))
+            .owned(Some(inserts))
+            .owned(Some(events))
+            .owned(Some(tokens))
             .opt_int(last_seq)
-            .text(channel)
-            .owned(Some(json!(notices).to_string()));
+            .text("")
+            .owned(Some("[]".into()));
         self.round_trips += 1;
         let out = self.conn.fetch(s).await.map(|_| ());
         self.note(out)
+    }
+
+    /// Write what is queued, send `notices` (JSON messages) on `channel`,
+    /// and COMMIT, in one round trip: one simple query of two statements,
+    /// the values written as dollar-quoted literals (no escapes inside, and
+    /// a tag that none of them contains). An error leaves the transaction
+    /// open (aborted, when the write failed) for the caller to roll back.
+    pub async fn commit(&mut self, channel: &str, notices: &[String]) -> Result<()> {
+        if self.queue.is_empty() && notices.is_empty() {
+            return exec_raw(self.conn, "COMMIT".into()).await;
+        }
+        let (rows, last_seq) = self.take();
+        let notices = json!(notices).to_string();
+        let values = [&rows[..], &[channel.to_owned(), notices]].concat();
+        let tag = dollar_tag(&values);
+        let lit = |v: &str| format!("{tag}{v}{tag}");
+        let [updates, inserts, events, tokens, channel, notices] = values.as_slice() else {
+            return Err(crate::store::StoreError::Other("six values".into()));
+        };
+        let seq = last_seq.map_or("NULL".to_owned(), |s| s.to_string());
+        let sql = format!(
+            "SELECT pg_temp.holdfast_write({}::jsonb, {}::jsonb, {}::jsonb, {}::jsonb, \
+             {seq}, {}, {}::jsonb); COMMIT",
+            lit(updates),
+            lit(inserts),
+            lit(events),
+            lit(tokens),
+            lit(channel),
+            lit(notices),
+        );
+        exec_raw(self.conn, sql).await
     }
 
     fn queue_update(&mut self, row: Value) {
@@ -238,14 +298,6 @@ impl<'c> Pipeline<'c> {
                 self.queue.tokens.push(row);
             }
         }
-    }
-
-    /// Send the queue if it is not empty, before a statement that may see it.
-    async fn send_queue(&mut self) -> Result<()> {
-        if self.queue.is_empty() {
-            return Ok(());
-        }
-        self.send("", &[]).await
     }
 }
 
@@ -321,5 +373,18 @@ impl Exec for Pipeline<'_> {
 
     fn locks_rows(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dollar_tag;
+
+    #[test]
+    fn the_dollar_quote_tag_is_one_no_value_contains() {
+        let plain = ["{\"a\":\"$1\"}".to_owned()];
+        assert_eq!(dollar_tag(&plain), "$hf$");
+        let tricky = ["x$hf$y".to_owned(), "$hf1$".to_owned()];
+        assert_eq!(dollar_tag(&tricky), "$hf2$");
     }
 }
