@@ -34,9 +34,12 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
             if let Some(hit) = self.cache.as_deref().and_then(|c| c.lease(id)) {
                 return Ok(Some(hit));
             }
-            let found = rows::lease(self.conn, id).await?;
+            let (found, has_ports) = rows::lease_to_write(self.conn, id).await?;
             if let (Some(cache), Some(rec)) = (self.cache.as_deref_mut(), &found) {
                 cache.saw_lease(rec);
+                if has_ports == Some(false) {
+                    cache.saw_ports(id, &[]);
+                }
             }
             Ok(found)
         })
@@ -54,11 +57,14 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
             {
                 return Ok(hit);
             }
-            let found = rows::current_lease(self.conn, resource).await?;
+            let (found, last_token) = rows::current_lease_to_write(self.conn, resource).await?;
             if let Some(cache) = self.cache.as_deref_mut() {
                 match &found {
                     Some(rec) => cache.saw_lease(rec),
                     None => cache.saw_no_current(resource),
+                }
+                if let Some(token) = last_token {
+                    cache.saw_token(resource, token);
                 }
             }
             Ok(found)

@@ -183,7 +183,10 @@ impl<'c> Pipeline<'c> {
         if s.sql == LEASE_LOCKED {
             self.queue.leases.contains_key(key)
         } else if s.sql == CURRENT_LOCKED {
-            self.queue.unknown_resource || self.queue.resources.contains(key)
+            // It reads the resource's token counter too.
+            self.queue.unknown_resource
+                || self.queue.resources.contains(key)
+                || self.queue.token_rows.contains_key(key)
         } else if s.sql == NEXT_TOKEN {
             self.queue.token_rows.contains_key(key)
         } else {

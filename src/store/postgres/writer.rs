@@ -479,26 +479,34 @@ mod tests {
             .expect("event");
         assert_eq!(body, serde_json::json!({ "holder": odd }).to_string());
 
+        // A batch that reads a free resource learns its last token with it
+        // (`rows::CURRENT_LOCKED`) and counts on from there.
+        let (end_d, d_rx) = release("d");
+        assert!(w.run_batch(vec![end_d]).await.is_empty());
+        let (start_e, e_rx) = acquire("e", "r", 5);
+        assert!(w.run_batch(vec![start_e]).await.is_empty());
+        answered(vec![d_rx, e_rx]).await;
+
         let token: i64 =
             sqlx::query_scalar("SELECT last_token FROM resources WHERE resource = 'r'")
                 .fetch_one(&w.pool)
                 .await
                 .expect("token");
-        assert_eq!(token, 4);
+        assert_eq!(token, 5);
         let seqs: Vec<i64> = sqlx::query_scalar("SELECT seq FROM events ORDER BY seq")
             .fetch_all(&w.pool)
             .await
             .expect("events");
         assert_eq!(
             seqs,
-            (1..=8).collect::<Vec<_>>(),
+            (1..=10).collect::<Vec<_>>(),
             "one per lease change, in order"
         );
         let last: i64 = sqlx::query_scalar("SELECT seq FROM event_seq")
             .fetch_one(&w.pool)
             .await
             .expect("event_seq");
-        assert_eq!(last, 8);
+        assert_eq!(last, 10);
     }
 
     #[tokio::test]

@@ -38,23 +38,35 @@ async fn leases<E: Exec + ?Sized>(c: &mut E, s: Stmt<'_>) -> Result<Vec<LeaseRec
     c.fetch(s).await?.iter().map(lease_row).collect()
 }
 
-/// `sql`, or `locked` (the same with `FOR UPDATE`) where `c` locks what it
-/// reads (`Exec::locks_rows`).
-fn locking<E: Exec + ?Sized>(c: &E, sql: &'static str, locked: &'static str) -> &'static str {
-    if c.locks_rows() { locked } else { sql }
-}
-
-/// A lease by id (`$1`), locked.
+/// A lease by id (`$1`), locked, and whether it holds reservations (so
+/// that releasing it need not ask). Column 16 is that flag.
 pub const LEASE_LOCKED: &str = concat!(
     "SELECT ",
     lease_cols!(),
-    " FROM leases WHERE id = $1 FOR UPDATE"
+    ", EXISTS (SELECT 1 FROM ports WHERE owner_id = $1 AND released_at IS NULL) \
+     FROM leases WHERE id = $1 FOR UPDATE"
 );
 
 pub async fn lease<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Option<LeaseRecord>> {
     const SQL: &str = concat!("SELECT ", lease_cols!(), " FROM leases WHERE id = $1");
-    let sql = locking(c, SQL, LEASE_LOCKED);
-    Ok(leases(c, Stmt::new(sql).text(id)).await?.pop())
+    Ok(leases(c, Stmt::new(SQL).text(id)).await?.pop())
+}
+
+/// A lease a write transaction may change. Where `c` locks what it reads
+/// (`Exec::locks_rows`, PostgreSQL) the row is locked, and whether the lease
+/// holds reservations comes with it (None elsewhere).
+pub async fn lease_to_write<E: Exec + ?Sized>(
+    c: &mut E,
+    id: &str,
+) -> Result<(Option<LeaseRecord>, Option<bool>)> {
+    if !c.locks_rows() {
+        return Ok((lease(c, id).await?, None));
+    }
+    let rows = c.fetch(Stmt::new(LEASE_LOCKED).text(id)).await?;
+    match rows.first() {
+        Some(r) => Ok((Some(lease_row(r)?), Some(r.flag(16)?))),
+        None => Ok((None, None)),
+    }
 }
 
 /// Renew in one statement the lease `id` if it needs nothing judged: current
@@ -80,18 +92,20 @@ pub async fn renew_unowned<E: Exec + ?Sized>(
     Ok(leases(c, s).await?.pop())
 }
 
-/// The current lease of a resource (`$1`), locked.
+/// The current lease of a resource (`$1`), locked, and the resource's last
+/// token (so that acquiring it need not count it on in a round trip of its
+/// own): one row, whose lease columns are null when none is current, and
+/// column 16 the token (null for a resource never leased).
 pub const CURRENT_LOCKED: &str = concat!(
-    "SELECT ",
+    "SELECT l.*, (SELECT last_token FROM resources WHERE resource = $1) \
+     FROM (SELECT 1) AS one LEFT JOIN LATERAL (SELECT ",
     lease_cols!(),
     " FROM leases WHERE resource = $1 AND ",
     lease_current!(),
-    " FOR UPDATE"
+    " FOR UPDATE) AS l ON true"
 );
 
-/// The current lease of `resource`. Write transactions already exclude each
-/// other (SQLite's one writer, PostgreSQL's fleet lock); on PostgreSQL the
-/// row is locked against one-statement renewals all the same.
+/// The current lease of `resource`.
 pub async fn current_lease<E: Exec + ?Sized>(
     c: &mut E,
     resource: &str,
@@ -102,8 +116,30 @@ pub async fn current_lease<E: Exec + ?Sized>(
         " FROM leases WHERE resource = $1 AND ",
         lease_current!()
     );
-    let sql = locking(c, SQL, CURRENT_LOCKED);
-    Ok(leases(c, Stmt::new(sql).text(resource)).await?.pop())
+    Ok(leases(c, Stmt::new(SQL).text(resource)).await?.pop())
+}
+
+/// The current lease of `resource`, for a write transaction. Those already
+/// exclude each other (SQLite's one writer, PostgreSQL's fleet lock); where
+/// `c` locks what it reads (PostgreSQL) the row is locked against
+/// one-statement renewals all the same, and the resource's last token comes
+/// with it (None elsewhere, or for a resource never leased).
+pub async fn current_lease_to_write<E: Exec + ?Sized>(
+    c: &mut E,
+    resource: &str,
+) -> Result<(Option<LeaseRecord>, Option<i64>)> {
+    if !c.locks_rows() {
+        return Ok((current_lease(c, resource).await?, None));
+    }
+    let rows = c.fetch(Stmt::new(CURRENT_LOCKED).text(resource)).await?;
+    let Some(r) = rows.first() else {
+        return Ok((None, None));
+    };
+    let lease = match r.opt_text(0)? {
+        Some(_) => Some(lease_row(r)?),
+        None => None,
+    };
+    Ok((lease, r.opt_int(16)?))
 }
 
 /// Counts a resource's (`$1`) last token on by one and returns it.
