@@ -155,8 +155,8 @@ pub trait Backend: Send + Sync + 'static {
     /// What the writer did so far, shared with /metrics.
     fn write_counters(&self) -> counters::WriteCounters;
     fn get_lease<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
-    /// Renew the lease `id` in one statement of its own, outside any write
-    /// transaction, if it needs nothing judged: current with `token`, no
+    /// Renew the lease `id` with one statement outside any write transaction
+    /// (which may carry other renewals too), if it needs nothing judged: current with `token`, no
     /// owner, no parent, its TTL not passed at `now`. Persisted before it
     /// returns. None when it is not such a lease, or when this store renews
     /// better inside its group commit (SQLite, whose renewals need not reach

@@ -21,14 +21,43 @@ pub trait Writes: Send + Sync + 'static {
     fn close(&self) -> BoxFuture<'_, ()>;
 }
 
+/// How a store renews plain leases outside its write transactions
+/// (`Backend::renew_unowned`).
+pub trait RenewsPlain: Send + Sync + 'static {
+    fn renew<'a>(
+        &'a self,
+        id: &'a str,
+        token: i64,
+        ttl_ms: Option<i64>,
+        now: Millis,
+    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
+}
+
 pub struct SqlStore<D: Db> {
     reads: Pool<D>,
     writes: Arc<dyn Writes>,
+    renewals: Option<Arc<dyn RenewsPlain>>,
 }
 
 impl<D: Db> SqlStore<D> {
     pub fn new(reads: Pool<D>, writes: Arc<dyn Writes>) -> Self {
-        Self { reads, writes }
+        Self {
+            reads,
+            writes,
+            renewals: None,
+        }
+    }
+
+    /// Renewing plain leases with `renewals`, outside the write transactions.
+    pub fn with_renewals(self, renewals: Arc<dyn RenewsPlain>) -> Self {
+        Self {
+            renewals: Some(renewals),
+            ..self
+        }
+    }
+
+    pub fn write_counters(&self) -> super::counters::WriteCounters {
+        self.writes.counters()
     }
 
     async fn conn(&self) -> Result<PoolConnection<D>> {
@@ -68,23 +97,11 @@ impl<D: Db> Backend for SqlStore<D> {
         ttl_ms: Option<i64>,
         now: Millis,
     ) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
-        if D::RELAXED_RENEWALS {
-            return Box::pin(async { Ok(None) });
+        // SQLite has none: its renewals go in its group commit, unsynced.
+        match &self.renewals {
+            Some(r) => r.renew(id, token, ttl_ms, now),
+            None => Box::pin(async { Ok(None) }),
         }
-        // One autocommit statement, durable when it returns. It needs no
-        // fleet lock: it re-checks everything it relies on in its WHERE,
-        // and every write transaction reads a lease it may change with a
-        // row lock (`Exec::locks_rows`), so neither overwrites the other.
-        Box::pin(async move {
-            let mut conn = self.conn().await?;
-            let renewed = rows::renew_unowned(&mut *conn, id, token, ttl_ms, now).await?;
-            let counters = self.writes.counters();
-            counters.round_trips.inc();
-            if renewed.is_some() {
-                counters.ran(true, 1);
-            }
-            Ok(renewed)
-        })
     }
 
     fn list_leases<'a>(

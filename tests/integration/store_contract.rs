@@ -1665,3 +1665,63 @@ async fn a_one_statement_renewal_waits_for_a_transaction_that_read_the_lease() {
     assert_eq!(after.expires_at, plain.expires_at, "expiry not moved");
     s.close().await;
 }
+
+stores!(renewals_that_arrive_together_share_statements_and_each_gets_its_own_answer);
+/// On PostgreSQL, renewals that arrive while others are out go together in
+/// one statement (`postgres/renewals.rs`); each is answered with its own
+/// lease as renewed, two of the same lease each with its own TTL.
+async fn renewals_that_arrive_together_share_statements_and_each_gets_its_own_answer() {
+    let place = Place::new().await;
+    let s = place.open().await;
+    let now = T0 + 10_000;
+    let ids: Vec<String> = (0..40).map(|i| format!("plain-{i:02}")).collect();
+    for id in &ids {
+        let l = LeaseRecord {
+            ttl_ms: Some(30_000),
+            expires_at: Some(now + 1),
+            ..lease(id, &format!("u/{id}"), 1)
+        };
+        insert_lease(&s.store, l).await.expect("insert");
+    }
+    let b = s.backend();
+    let before = b.write_counters().round_trips.get();
+    // Polled in turn by one task: every renewal is queued before the first
+    // statement goes out.
+    let mut asked: Vec<(&str, i64)> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (id.as_str(), 1_000 + i as i64))
+        .collect();
+    asked.push((ids[0].as_str(), 7_000));
+    asked.push((ids[0].as_str(), 8_000));
+    let answers = futures_util::future::join_all(
+        asked
+            .iter()
+            .map(|&(id, ttl)| b.renew_unowned(id, 1, Some(ttl), now)),
+    )
+    .await;
+    let sent = b.write_counters().round_trips.get() - before;
+    if !matches!(stores::current(), stores::Store::Postgres) {
+        assert!(
+            answers.iter().all(|a| matches!(a, Ok(None))),
+            "SQLite renews in its transactions"
+        );
+        assert_eq!(sent, 0);
+        s.close().await;
+        return;
+    }
+    for ((id, ttl), answer) in asked.iter().zip(answers) {
+        let renewed = answer.expect("renewal").expect("renewed");
+        assert_eq!(renewed.id, *id);
+        assert_eq!(renewed.ttl_ms, Some(*ttl), "{id} answered with its own TTL");
+        assert_eq!(renewed.expires_at, Some(now + ttl));
+    }
+    assert!(
+        sent < asked.len() as u64 / 4,
+        "{} renewals went in {sent} statements",
+        asked.len()
+    );
+    let stored = b.get_lease(&ids[1]).await.expect("get").expect("lease");
+    assert_eq!(stored.ttl_ms, Some(1_001), "written, not only answered");
+    s.close().await;
+}

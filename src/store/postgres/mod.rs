@@ -5,6 +5,7 @@
 
 mod notify;
 mod pipeline;
+mod renewals;
 mod schema;
 mod writer;
 
@@ -202,6 +203,8 @@ impl SqlStore<Postgres> {
             settings.timeout.saturating_mul(3),
         );
         tracing::info!(database = %place, "using PostgreSQL");
-        Ok(SqlStore::new(pool, writer))
+        let store = SqlStore::new(pool.clone(), writer);
+        let renewals = renewals::Renewals::new(pool, store.write_counters());
+        Ok(store.with_renewals(Arc::new(renewals)))
     }
 }

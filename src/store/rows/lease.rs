@@ -6,7 +6,7 @@ use crate::store::sql::{self, lease_cols, lease_current};
 use crate::store::{Result, StoreError};
 use crate::time::Millis;
 
-fn lease_row(r: &impl Cols) -> Result<LeaseRecord> {
+pub fn lease_row(r: &impl Cols) -> Result<LeaseRecord> {
     let parent = match r.opt_text(6)? {
         Some(id) => Some(ParentRef {
             id,
@@ -67,29 +67,6 @@ pub async fn lease_to_write<E: Exec + ?Sized>(
         Some(r) => Ok((Some(lease_row(r)?), Some(r.flag(16)?))),
         None => Ok((None, None)),
     }
-}
-
-/// Renew in one statement the lease `id` if it needs nothing judged: current
-/// with `token`, no owner, no parent, its TTL not passed at `now`. The same
-/// change `leases::ops::renew` makes; None when the lease is not such a one.
-pub async fn renew_unowned<E: Exec + ?Sized>(
-    c: &mut E,
-    id: &str,
-    token: i64,
-    ttl_ms: Option<i64>,
-    now: Millis,
-) -> Result<Option<LeaseRecord>> {
-    const SQL: &str = concat!(
-        "UPDATE leases SET ttl_ms = COALESCE($3, ttl_ms), \
-         expires_at = $4 + COALESCE($3, ttl_ms), renewed_at = $4 \
-         WHERE id = $1 AND token = $2 AND ",
-        lease_current!(),
-        " AND owner IS NULL AND parent_id IS NULL AND (expires_at IS NULL OR expires_at > $4) \
-         RETURNING ",
-        lease_cols!()
-    );
-    let s = Stmt::new(SQL).text(id).int(token).opt_int(ttl_ms).int(now);
-    Ok(leases(c, s).await?.pop())
 }
 
 /// The current lease of a resource (`$1`), locked, and the resource's last

@@ -1,0 +1,182 @@
+//! Renewals of plain leases, grouped (see `Backend::renew_unowned`): those
+//! that arrive while statements are out go together in the next, one
+//! `UPDATE … FROM unnest(…) RETURNING` in autocommit, so that under load
+//! many share one round trip and one commit. A few statements may be out at
+//! once, each on a connection of the pool: a lone renewal never waits behind
+//! a group, and PostgreSQL merges the WAL flushes of commits that coincide.
+//! None of it takes the fleet lock: the statement re-checks in its `WHERE`
+//! all a plain renewal relies on, and write transactions lock the leases
+//! they read (`Exec::locks_rows`).
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+
+use super::map_err;
+use crate::model::LeaseRecord;
+use crate::store::counters::WriteCounters;
+use crate::store::db::conn_err;
+use crate::store::rows::lease_row;
+use crate::store::sql::{lease_cols, lease_current};
+use crate::store::sql_store::RenewsPlain;
+use crate::store::{BoxFuture, Result, StoreError};
+use crate::time::Millis;
+
+/// Statements out at once.
+const MAX_OUT: usize = 4;
+/// Renewals in one statement.
+const MAX_GROUP: usize = 256;
+
+/// `$1`.. the renewals' lease ids, tokens, TTLs (null: keep the lease's)
+/// and instants. `id = ANY($1)` lets the planner walk the primary key
+/// whatever it guesses of the arrays' length.
+const RENEW: &str = concat!(
+    "UPDATE leases SET ttl_ms = COALESCE(r.r_ttl, ttl_ms), \
+     expires_at = r.r_now + COALESCE(r.r_ttl, ttl_ms), renewed_at = r.r_now \
+     FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[]) \
+     AS r(r_id, r_token, r_ttl, r_now) \
+     WHERE id = ANY($1::text[]) AND id = r.r_id AND token = r.r_token AND ",
+    lease_current!(),
+    " AND owner IS NULL AND parent_id IS NULL AND (expires_at IS NULL OR expires_at > r.r_now) \
+     RETURNING ",
+    lease_cols!()
+);
+
+struct Renewal {
+    id: String,
+    token: i64,
+    ttl_ms: Option<i64>,
+    now: Millis,
+    reply: oneshot::Sender<Result<Option<LeaseRecord>>>,
+}
+
+#[derive(Default)]
+struct State {
+    waiting: Vec<Renewal>,
+    /// Tasks sending groups.
+    out: usize,
+}
+
+pub struct Renewals {
+    pool: PgPool,
+    counters: WriteCounters,
+    state: Mutex<State>,
+}
+
+impl Renewals {
+    pub fn new(pool: PgPool, counters: WriteCounters) -> Arc<Self> {
+        Arc::new(Self {
+            pool,
+            counters,
+            state: Mutex::default(),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The next group: at most one renewal per lease (a statement would
+    /// apply only one of two to the same row), the others left waiting.
+    /// None, and one task fewer out, when nothing waits.
+    fn next_group(&self) -> Option<Vec<Renewal>> {
+        let mut s = self.state();
+        if s.waiting.is_empty() {
+            s.out -= 1;
+            return None;
+        }
+        let mut ids = HashSet::new();
+        let (group, left): (Vec<_>, Vec<_>) = std::mem::take(&mut s.waiting)
+            .into_iter()
+            .partition(|r| ids.len() < MAX_GROUP && ids.insert(r.id.clone()));
+        s.waiting = left;
+        Some(group)
+    }
+
+    async fn send_groups(self: Arc<Self>) {
+        while let Some(group) = self.next_group() {
+            match self.send(&group).await {
+                Ok(renewed) => {
+                    for r in group {
+                        let found = renewed.iter().find(|l| l.id == r.id).cloned();
+                        let _ = r.reply.send(Ok(found));
+                    }
+                }
+                Err(e) => {
+                    for r in group {
+                        let _ = r.reply.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One statement for `group`; the leases it renewed.
+    async fn send(&self, group: &[Renewal]) -> Result<Vec<LeaseRecord>> {
+        let ids: Vec<&str> = group.iter().map(|r| r.id.as_str()).collect();
+        let tokens: Vec<i64> = group.iter().map(|r| r.token).collect();
+        let ttls: Vec<Option<i64>> = group.iter().map(|r| r.ttl_ms).collect();
+        let nows: Vec<i64> = group.iter().map(|r| r.now).collect();
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| conn_err(&self.pool, e))?;
+        // Boxed, as `writer::exec` says.
+        let rows: BoxFuture<'_, std::result::Result<Vec<sqlx::postgres::PgRow>, sqlx::Error>> =
+            Box::pin(
+                sqlx::query(RENEW)
+                    .bind(ids)
+                    .bind(tokens)
+                    .bind(ttls)
+                    .bind(nows)
+                    .fetch_all(&mut *conn),
+            );
+        let rows = rows.await.map_err(map_err)?;
+        self.counters.round_trips.inc();
+        let renewed = rows.iter().map(lease_row).collect::<Result<Vec<_>>>()?;
+        if !renewed.is_empty() {
+            self.counters.ran(true, renewed.len());
+        }
+        Ok(renewed)
+    }
+}
+
+impl RenewsPlain for Arc<Renewals> {
+    fn renew<'a>(
+        &'a self,
+        id: &'a str,
+        token: i64,
+        ttl_ms: Option<i64>,
+        now: Millis,
+    ) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
+        Box::pin(async move {
+            let (reply, answer) = oneshot::channel();
+            let start = {
+                let mut s = self.state();
+                s.waiting.push(Renewal {
+                    id: id.to_owned(),
+                    token,
+                    ttl_ms,
+                    now,
+                    reply,
+                });
+                let start = s.out < MAX_OUT;
+                if start {
+                    s.out += 1;
+                }
+                start
+            };
+            // In a task of its own: a caller that goes away must not cancel
+            // a statement that carries others' renewals.
+            if start {
+                tokio::spawn(self.clone().send_groups());
+            }
+            answer
+                .await
+                .map_err(|_| StoreError::Other("the renewal was dropped".into()))?
+        })
+    }
+}
