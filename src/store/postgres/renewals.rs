@@ -5,8 +5,8 @@
 //! once, each on a connection of the pool: a lone renewal never waits behind
 //! a group, and PostgreSQL merges the WAL flushes of commits that coincide.
 //! None of it takes the fleet lock: the statement re-checks in its `WHERE`
-//! all a plain renewal relies on, and write transactions lock the leases
-//! they read (`Exec::locks_rows`).
+//! all a plain renewal relies on, write transactions lock the leases they
+//! read (`Exec::locks_rows`), and the statement skips those (see `RENEW`).
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -31,13 +31,18 @@ const MAX_GROUP: usize = 256;
 
 /// `$1`.. the renewals' lease ids, tokens, TTLs (null: keep the lease's)
 /// and instants. `id = ANY($1)` lets the planner walk the primary key
-/// whatever it guesses of the arrays' length.
+/// whatever it guesses of the arrays' length. A lease whose row a write
+/// transaction holds is skipped, not waited for: that transaction may wait
+/// in turn for another row this statement locked (a deadlock, broken only
+/// after a second, with the fleet lock held meanwhile). Its renewal is then
+/// None, and the caller renews it in a transaction, after that one.
 const RENEW: &str = concat!(
     "UPDATE leases SET ttl_ms = COALESCE(r.r_ttl, ttl_ms), \
      expires_at = r.r_now + COALESCE(r.r_ttl, ttl_ms), renewed_at = r.r_now \
      FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[]) \
      AS r(r_id, r_token, r_ttl, r_now) \
-     WHERE id = ANY($1::text[]) AND id = r.r_id AND token = r.r_token AND ",
+     WHERE id IN (SELECT id FROM leases WHERE id = ANY($1::text[]) FOR UPDATE SKIP LOCKED) \
+     AND id = r.r_id AND token = r.r_token AND ",
     lease_current!(),
     " AND owner IS NULL AND parent_id IS NULL AND (expires_at IS NULL OR expires_at > r.r_now) \
      RETURNING ",

@@ -19,7 +19,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use sqlx::{PgConnection, PgPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{PgConnection, PgPool, Postgres};
 
 use super::map_err;
 use super::pipeline::Pipeline;
@@ -84,6 +85,23 @@ impl Batches for Writer {
     }
 }
 
+/// A batch's connection, closed rather than returned to the pool when it
+/// is dropped with its transaction open: when the batch ran past its time
+/// limit and was dropped (see `run`), or its COMMIT or ROLLBACK failed. A
+/// renewal or a batch that got it next would run inside that transaction.
+struct InTx {
+    conn: PoolConnection<Postgres>,
+    open: bool,
+}
+
+impl Drop for InTx {
+    fn drop(&mut self) {
+        if self.open {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
 /// BEGIN and take the fleet's write lock; the transaction's id and the
 /// last event seq.
 fn begin(c: &mut PgConnection) -> BoxFuture<'_, Result<(i64, i64)>> {
@@ -142,7 +160,7 @@ impl Writer {
     /// Run `batch`; the jobs that did not run, to be queued again.
     async fn run_batch(&self, batch: Vec<Job>) -> Vec<Job> {
         let mut conn = match self.pool.acquire().await {
-            Ok(c) => c,
+            Ok(conn) => InTx { conn, open: true },
             Err(e) => {
                 let e = conn_err(&self.pool, e);
                 fail(batch.into_iter().map(|j| j.reply), &e);
@@ -152,15 +170,15 @@ impl Writer {
         // One round trip: a simple query may hold several statements. The
         // transaction's id tells, should the COMMIT's answer be lost,
         // whether it committed.
-        let (txid, seq) = match begin(&mut conn).await {
+        let (txid, seq) = match begin(&mut conn.conn).await {
             Ok(begun) => begun,
             Err(e) => {
-                let _ = exec(&mut conn, "ROLLBACK").await;
+                conn.open = exec(&mut conn.conn, "ROLLBACK").await.is_err();
                 fail(batch.into_iter().map(|j| j.reply), &e);
                 return Vec::new();
             }
         };
-        let mut pipe = Pipeline::new(&mut conn, seq);
+        let mut pipe = Pipeline::new(&mut conn.conn, seq);
         // What this transaction read and wrote: it holds the fleet's lock
         // and its row locks, so no one else changes those rows meanwhile.
         let mut cache = Cache::default();
@@ -201,7 +219,8 @@ impl Writer {
                     // only a database or code failure gets here. The jobs
                     // that ran with it were not kept and may be retried; those
                     // that did not run yet go back to the queue.
-                    let _ = exec(pipe.conn(), "ROLLBACK").await;
+                    let rolled_back = exec(pipe.conn(), "ROLLBACK").await.is_ok();
+                    conn.open = !rolled_back;
                     let _ = job.reply.send(Err(e));
                     fail(done.into_iter().map(|(r, _)| r), &StoreError::Busy);
                     return jobs.collect();
@@ -214,9 +233,9 @@ impl Writer {
         let committed = pipe.commit(super::notify::CHANNEL, &notices).await;
         // With BEGIN and the commit.
         self.round_trips.inc_by(pipe.round_trips + 2);
+        conn.open = committed.is_err();
         if let Err(e) = committed {
-            let _ = exec(&mut conn, "ROLLBACK").await;
-            conn.close_on_drop();
+            let _ = exec(&mut conn.conn, "ROLLBACK").await;
             // Closed now: the question goes on a connection of its own, and
             // a full pool must not wait for this one.
             drop(conn);
@@ -484,7 +503,14 @@ mod tests {
         let (end_d, d_rx) = release("d");
         assert!(w.run_batch(vec![end_d]).await.is_empty());
         let (start_e, e_rx) = acquire("e", "r", 5);
+        let before = w.round_trips.get();
         assert!(w.run_batch(vec![start_e]).await.is_empty());
+        // BEGIN, the read of the resource, and the commit with the writes.
+        assert_eq!(
+            w.round_trips.get() - before,
+            3,
+            "no round trip for the token"
+        );
         answered(vec![d_rx, e_rx]).await;
 
         let token: i64 =
