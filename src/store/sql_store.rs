@@ -56,10 +56,6 @@ impl<D: Db> SqlStore<D> {
         }
     }
 
-    pub fn write_counters(&self) -> super::counters::WriteCounters {
-        self.writes.counters()
-    }
-
     async fn conn(&self) -> Result<PoolConnection<D>> {
         let pool = &self.reads;
         pool.acquire().await.map_err(|e| conn_err(pool, e))

@@ -204,7 +204,7 @@ impl SqlStore<Postgres> {
         );
         tracing::info!(database = %place, "using PostgreSQL");
         let store = SqlStore::new(pool.clone(), writer);
-        let renewals = renewals::Renewals::new(pool, store.write_counters());
+        let renewals = renewals::Renewals::new(pool, super::Backend::write_counters(&store));
         Ok(store.with_renewals(Arc::new(renewals)))
     }
 }

@@ -73,9 +73,6 @@ const FUNCTION: &str = concat!(
     $fn$"
 );
 
-const WRITE: &str = "SELECT pg_temp.holdfast_write($1::jsonb, $2::jsonb, $3::jsonb, \
-     $4::jsonb, $5, $6, $7::jsonb)";
-
 /// Create the function on a new connection.
 pub fn install(conn: &mut PgConnection) -> BoxFuture<'_, std::result::Result<(), sqlx::Error>> {
     Box::pin(async move {
@@ -96,9 +93,12 @@ fn dollar_tag(values: &[String]) -> String {
 }
 
 /// `sql` as a simple query (several statements, no parameters).
-fn exec_raw(conn: &mut PgConnection, sql: String) -> BoxFuture<'_, Result<()>> {
+pub(super) fn exec(conn: &mut PgConnection, sql: impl Into<String>) -> BoxFuture<'_, Result<()>> {
+    let sql = sql.into();
     Box::pin(async move {
-        // Boxed on its own, as `writer::exec` says.
+        // Boxed on its own, as every future of sqlx calls that a spawned task
+        // awaits: rustc cannot otherwise prove it `Send` for every lifetime
+        // (rust-lang/rust#102211).
         let run: BoxFuture<'_, std::result::Result<_, sqlx::Error>> =
             Box::pin(sqlx::Executor::execute(conn, sql.as_str()));
         run.await.map(|_| ()).map_err(super::map_err)
@@ -199,14 +199,32 @@ impl<'c> Pipeline<'c> {
         }
     }
 
-    /// The queue's rows of each kind as JSON text, and the seq to move the
-    /// event counter to; the queue is left empty.
-    fn take(&mut self) -> ([String; 4], Option<i64>) {
+    /// The call of `holdfast_write` for what is queued (the queue is left
+    /// empty) and `notices` (JSON messages) on `channel`. Its values are
+    /// dollar-quoted literals: no escapes inside, and a tag that none of
+    /// them contains.
+    fn write_call(&mut self, channel: &str, notices: &[String]) -> String {
         let q = std::mem::take(&mut self.queue);
-        let last_seq = (!q.events.is_empty()).then_some(self.seq);
+        let last_seq = match q.events.is_empty() {
+            true => "NULL".to_owned(),
+            false => self.seq.to_string(),
+        };
         let text = |rows: Vec<Value>| Value::Array(rows).to_string();
-        let rows = [q.updates, q.inserts, q.events, q.tokens].map(text);
-        (rows, last_seq)
+        let values = [
+            text(q.updates),
+            text(q.inserts),
+            text(q.events),
+            text(q.tokens),
+            json!(notices).to_string(),
+            channel.to_owned(),
+        ];
+        let tag = dollar_tag(&values);
+        let [updates, inserts, events, tokens, notices, channel] =
+            values.map(|v| format!("{tag}{v}{tag}"));
+        format!(
+            "SELECT pg_temp.holdfast_write({updates}::jsonb, {inserts}::jsonb, \
+             {events}::jsonb, {tokens}::jsonb, {last_seq}, {channel}, {notices}::jsonb)"
+        )
     }
 
     /// Write what is queued, before a statement that may see it.
@@ -214,49 +232,22 @@ impl<'c> Pipeline<'c> {
         if self.queue.is_empty() {
             return Ok(());
         }
-        let ([updates, inserts, events, tokens], last_seq) = self.take();
-        let s = Stmt::new(WRITE)
-            .owned(Some(updates))
-            .owned(Some(inserts))
-            .owned(Some(events))
-            .owned(Some(tokens))
-            .opt_int(last_seq)
-            .text("")
-            .owned(Some("[]".into()));
+        let call = self.write_call("", &[]);
         self.round_trips += 1;
-        let out = self.conn.fetch(s).await.map(|_| ());
+        let out = exec(self.conn, call).await;
         self.note(out)
     }
 
-    /// Write what is queued, send `notices` (JSON messages) on `channel`,
-    /// and COMMIT, in one round trip: one simple query of two statements,
-    /// the values written as dollar-quoted literals (no escapes inside, and
-    /// a tag that none of them contains). An error leaves the transaction
-    /// open (aborted, when the write failed) for the caller to roll back.
+    /// Write what is queued, send `notices` on `channel`, and COMMIT, in one
+    /// round trip: one simple query of two statements. An error leaves the
+    /// transaction open (aborted, when the write failed) for the caller to
+    /// roll back.
     pub async fn commit(&mut self, channel: &str, notices: &[String]) -> Result<()> {
         if self.queue.is_empty() && notices.is_empty() {
-            return exec_raw(self.conn, "COMMIT".into()).await;
+            return exec(self.conn, "COMMIT").await;
         }
-        let (rows, last_seq) = self.take();
-        let notices = json!(notices).to_string();
-        let values = [&rows[..], &[channel.to_owned(), notices]].concat();
-        let tag = dollar_tag(&values);
-        let lit = |v: &str| format!("{tag}{v}{tag}");
-        let [updates, inserts, events, tokens, channel, notices] = values.as_slice() else {
-            return Err(crate::store::StoreError::Other("six values".into()));
-        };
-        let seq = last_seq.map_or("NULL".to_owned(), |s| s.to_string());
-        let sql = format!(
-            "SELECT pg_temp.holdfast_write({}::jsonb, {}::jsonb, {}::jsonb, {}::jsonb, \
-             {seq}, {}, {}::jsonb); COMMIT",
-            lit(updates),
-            lit(inserts),
-            lit(events),
-            lit(tokens),
-            lit(channel),
-            lit(notices),
-        );
-        exec_raw(self.conn, sql).await
+        let call = self.write_call(channel, notices);
+        exec(self.conn, format!("{call}; COMMIT")).await
     }
 
     fn queue_update(&mut self, row: Value) {

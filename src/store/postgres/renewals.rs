@@ -129,7 +129,7 @@ impl Renewals {
             .acquire()
             .await
             .map_err(|e| conn_err(&self.pool, e))?;
-        // Boxed, as `writer::exec` says.
+        // Boxed, as `pipeline::exec` says.
         let rows: BoxFuture<'_, std::result::Result<Vec<sqlx::postgres::PgRow>, sqlx::Error>> =
             Box::pin(
                 sqlx::query(RENEW)

@@ -23,7 +23,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres};
 
 use super::map_err;
-use super::pipeline::Pipeline;
+use super::pipeline::{Pipeline, exec};
 use crate::store::cache::Cache;
 use crate::store::counters::WriteCounters;
 use crate::store::db::conn_err;
@@ -56,15 +56,6 @@ pub(super) fn start(
         round_trips: counters.round_trips.clone(),
     };
     Arc::new(GroupCommit::counting(writer, counters))
-}
-
-// Boxed, as every future of sqlx calls that a spawned task awaits: rustc
-// cannot otherwise prove it `Send` for every lifetime (rust-lang/rust#102211).
-fn exec<'c>(c: &'c mut PgConnection, sql: &'static str) -> BoxFuture<'c, Result<()>> {
-    Box::pin(async move {
-        sqlx::Executor::execute(c, sql).await.map_err(map_err)?;
-        Ok(())
-    })
 }
 
 impl Batches for Writer {
