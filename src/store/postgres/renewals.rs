@@ -62,6 +62,8 @@ struct State {
     waiting: Vec<Renewal>,
     /// Tasks sending groups.
     out: usize,
+    /// The leases of the groups out.
+    out_ids: HashSet<String>,
 }
 
 pub struct Renewals {
@@ -83,26 +85,39 @@ impl Renewals {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The next group: at most one renewal per lease (a statement would
-    /// apply only one of two to the same row), the others left waiting.
-    /// None, and one task fewer out, when nothing waits.
+    /// The next group: at most one renewal per lease, and none of a lease
+    /// another group out renews (a statement applies only one of two to the
+    /// same row, and one would skip the row the other holds); the others
+    /// are left waiting, for the task whose group holds their lease. None,
+    /// and one task fewer out, when none is left to send.
     fn next_group(&self) -> Option<Vec<Renewal>> {
         let mut s = self.state();
-        if s.waiting.is_empty() {
+        let State {
+            waiting, out_ids, ..
+        } = &mut *s;
+        let mut ids = HashSet::new();
+        let (group, left): (Vec<_>, Vec<_>) = std::mem::take(waiting).into_iter().partition(|r| {
+            ids.len() < MAX_GROUP && !out_ids.contains(&r.id) && ids.insert(r.id.clone())
+        });
+        *waiting = left;
+        if group.is_empty() {
             s.out -= 1;
             return None;
         }
-        let mut ids = HashSet::new();
-        let (group, left): (Vec<_>, Vec<_>) = std::mem::take(&mut s.waiting)
-            .into_iter()
-            .partition(|r| ids.len() < MAX_GROUP && ids.insert(r.id.clone()));
-        s.waiting = left;
+        s.out_ids.extend(ids);
         Some(group)
     }
 
     async fn send_groups(self: Arc<Self>) {
         while let Some(group) = self.next_group() {
-            match self.send(&group).await {
+            let sent = self.send(&group).await;
+            {
+                let mut s = self.state();
+                for r in &group {
+                    s.out_ids.remove(&r.id);
+                }
+            }
+            match sent {
                 Ok(renewed) => {
                     for r in group {
                         let found = renewed.iter().find(|l| l.id == r.id).cloned();
