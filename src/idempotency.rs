@@ -22,6 +22,9 @@ pub struct Claim {
     /// A transaction of this request recorded the key (it holds it if that
     /// transaction committed).
     recorded: AtomicBool,
+    /// A transaction of this request that recorded the key may have
+    /// committed, unbeknown to it: the key must not be let go.
+    unsure: AtomicBool,
 }
 
 tokio::task_local! {
@@ -35,6 +38,7 @@ impl Claim {
             request,
             request_id: uuid::Uuid::now_v7().to_string(),
             recorded: AtomicBool::new(false),
+            unsure: AtomicBool::new(false),
         })
     }
 
@@ -54,5 +58,18 @@ impl Claim {
 
     pub fn recorded(&self) -> bool {
         self.recorded.load(Ordering::SeqCst)
+    }
+
+    /// Called when a transaction that recorded the key ended with
+    /// `StoreError::OutcomeUnknown`.
+    pub fn mark_unsure(&self) {
+        self.unsure.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a change of this request may have been kept without its
+    /// answer: its key then stays held (`request_in_progress`) rather than
+    /// let go for a retry that would make the change twice.
+    pub fn unsure(&self) -> bool {
+        self.recorded() && self.unsure.load(Ordering::SeqCst)
     }
 }

@@ -171,6 +171,7 @@ impl App {
             metrics,
             openapi: Arc::new(api::openapi_json()),
             access,
+            unkept: Arc::default(),
         });
         Ok(Self { state, config })
     }
@@ -263,6 +264,7 @@ impl App {
             }
         }
         let _ = reconciler.await;
+        self.state.unkept.drain(Duration::from_secs(5)).await;
         self.state.store.backend().close().await;
         if let Some(path) = &self.config.unix_socket {
             let _ = std::fs::remove_file(path);

@@ -123,7 +123,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Busy => Self::Busy,
-            StoreError::Unavailable(m) => Self::Unavailable(m),
+            StoreError::Unavailable(m) | StoreError::OutcomeUnknown(m) => Self::Unavailable(m),
             StoreError::Other(m) => Self::Internal(m),
             StoreError::RequestInProgress => Self::RequestInProgress,
         }

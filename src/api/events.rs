@@ -281,7 +281,9 @@ fn stream(
                 Err(ReadError::Store(e)) => {
                     c.done = true;
                     let detail = match e {
-                        StoreError::Unavailable(d) | StoreError::Other(d) => d,
+                        StoreError::Unavailable(d)
+                        | StoreError::Other(d)
+                        | StoreError::OutcomeUnknown(d) => d,
                         StoreError::Busy => "the store is busy".into(),
                         StoreError::RequestInProgress => "a request is in progress".into(),
                     };

@@ -3,6 +3,8 @@
 //! the key with another request is refused; a repeat while the first is
 //! still being answered is `409 request_in_progress`.
 
+use std::sync::Arc;
+
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, header};
@@ -13,7 +15,6 @@ use super::error::ApiError;
 use super::{AppState, BODY_LIMIT};
 use crate::idempotency::Claim;
 use crate::model::IdempotentRequest;
-use crate::store::{Store, StoreError};
 
 pub const HEADER: &str = "idempotency-key";
 /// Set on an answer given again for a repeated key.
@@ -21,8 +22,6 @@ pub const REPLAYED: &str = "idempotent-replayed";
 const MAX_KEY: usize = 128;
 /// Answers are small JSON documents; a larger one is not kept.
 const MAX_ANSWER: usize = 1024 * 1024;
-/// Tries to keep an answer through a store that is briefly unavailable.
-const KEEP_TRIES: u32 = 5;
 
 fn invalid(detail: &str) -> Response {
     ApiError::validation("Idempotency-Key", detail).into_response()
@@ -69,6 +68,10 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
         parts.method,
         String::from_utf8_lossy(&bytes)
     );
+    // Answered here, not kept by the store yet (see `super::unkept`).
+    if let Some(first) = state.unkept.answer(&key) {
+        return again(first, &request);
+    }
     let now = crate::time::now_ms();
     match state.store.backend().idempotent_request(&key).await {
         Err(e) => return ApiError::from(e).into_response(),
@@ -79,12 +82,11 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
     }
     let claim = Claim::new(key, request);
     let req = Request::from_parts(parts, Body::from(bytes));
-    let store = state.store.clone();
     // Answered to the end even if the client goes away: its retry gets
     // this answer.
     let task = tokio::spawn(async move {
         let res = claim.clone().scope(next.run(req)).await;
-        keep(&store, &claim, res).await
+        keep(&state, &claim, res).await
     });
     task.await.unwrap_or_else(|_| {
         ApiError::Internal("a request with an idempotency key panicked".into()).into_response()
@@ -114,17 +116,30 @@ fn again(first: IdempotentRequest, request: &str) -> Response {
 
 /// Store the answer of a request that recorded its key, or let the key go
 /// when the answer is a failure of the server (the request may be retried).
-async fn keep(store: &Store, claim: &std::sync::Arc<Claim>, res: Response) -> Response {
+async fn keep(state: &AppState, claim: &Arc<Claim>, res: Response) -> Response {
     if !claim.recorded() {
         return res;
     }
+    let settle = |answer| {
+        state.unkept.settle(
+            &state.store,
+            claim.key.clone(),
+            claim.request_id.clone(),
+            answer,
+        )
+    };
     let (parts, body) = res.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_ANSWER).await else {
-        forget(store, claim).await;
+        settle(None).await;
         return ApiError::Internal("an answer too large to keep".into()).into_response();
     };
     if parts.status.is_server_error() {
-        forget(store, claim).await;
+        if claim.unsure() {
+            // Its change may be kept: a retry must not make it again.
+            tracing::warn!(key = %claim.key, "a keyed request's change may be kept without its answer: its key stays in progress");
+        } else {
+            settle(None).await;
+        }
         return Response::from_parts(parts, Body::from(bytes));
     }
     let content_type = parts
@@ -133,49 +148,14 @@ async fn keep(store: &Store, claim: &std::sync::Arc<Claim>, res: Response) -> Re
         .and_then(|v| v.to_str().ok())
         .unwrap_or("application/json")
         .to_owned();
-    let text = String::from_utf8_lossy(&bytes).into_owned();
-    let (key, id, status) = (
-        claim.key.clone(),
-        claim.request_id.clone(),
-        parts.status.as_u16(),
-    );
-    // Tried again through a brief outage: an answer not kept leaves the
-    // key `request_in_progress` to every retry for a day.
-    let mut kept = Err(StoreError::Busy);
-    for attempt in 1..=KEEP_TRIES {
-        let (key, id, content_type, text) =
-            (key.clone(), id.clone(), content_type.clone(), text.clone());
-        kept = store
-            .write(true, move |tx| {
-                Box::pin(async move {
-                    tx.answer_key(&key, &id, (status, &content_type, &text))
-                        .await
-                })
-            })
-            .await;
-        match &kept {
-            Err(StoreError::Busy | StoreError::Unavailable(_)) if attempt < KEEP_TRIES => {
-                tokio::time::sleep(std::time::Duration::from_millis(100 * u64::from(attempt)))
-                    .await;
-            }
-            _ => break,
-        }
-    }
-    if let Err(e) = kept {
-        // The change is kept; its answer is not: a repeat gets `request_in_progress`.
-        tracing::warn!(key = %claim.key, error = %e, "cannot keep the answer of an idempotent request");
-    }
+    let answer = IdempotentRequest {
+        request: claim.request.clone(),
+        request_id: claim.request_id.clone(),
+        status: Some(parts.status.as_u16()),
+        content_type: Some(content_type),
+        body: Some(String::from_utf8_lossy(&bytes).into_owned()),
+        created_at: crate::time::now_ms(),
+    };
+    settle(Some(answer)).await;
     Response::from_parts(parts, Body::from(bytes))
-}
-
-async fn forget(store: &Store, claim: &Claim) {
-    let (key, id) = (claim.key.clone(), claim.request_id.clone());
-    let forgotten = store
-        .write(true, move |tx| {
-            Box::pin(async move { tx.forget_key(&key, &id).await })
-        })
-        .await;
-    if let Err(e) = forgotten {
-        tracing::warn!(key = %claim.key, error = %e, "cannot let an idempotency key go");
-    }
 }

@@ -14,6 +14,7 @@ pub mod ports;
 pub mod processes;
 mod service;
 mod strict;
+pub mod unkept;
 mod validate;
 
 use std::sync::Arc;
@@ -53,6 +54,8 @@ pub struct Services {
     pub metrics: Arc<Metrics>,
     pub openapi: Arc<String>,
     pub access: Arc<auth::Access>,
+    /// Keyed answers the store has not kept yet.
+    pub unkept: Arc<unkept::Unkept>,
 }
 
 fn routes() -> OpenApiRouter<AppState> {

@@ -146,8 +146,10 @@ impl<B: Batches> Drop for Unwinding<'_, B> {
     }
 }
 
+/// The job's reply was dropped: its batch was cut off (its time limit, a
+/// panic) wherever it was, perhaps in its COMMIT.
 fn stopped() -> StoreError {
-    StoreError::Unavailable("the writer stopped".into())
+    StoreError::OutcomeUnknown("the writer stopped".into())
 }
 
 impl<B: Batches> Writes for Arc<GroupCommit<B>> {

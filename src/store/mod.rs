@@ -37,6 +37,10 @@ pub enum StoreError {
     Unavailable(String),
     #[error("store error: {0}")]
     Other(String),
+    /// The connection broke as the change was being committed, and the
+    /// database could not say in time whether it was kept.
+    #[error("the store may or may not have kept the change: {0}")]
+    OutcomeUnknown(String),
     /// The request's `Idempotency-Key` is held by another request: nothing
     /// of this one was kept.
     #[error("a request with the same idempotency key is in progress")]
@@ -236,6 +240,7 @@ impl Store {
         // A request with an Idempotency-Key records it in each of its
         // transactions, before its change (see `crate::idempotency`).
         let claim = crate::idempotency::Claim::current();
+        let unsure_of = claim.clone();
         let job: JobFn = Box::new(move |tx| {
             Box::pin(async move {
                 if let Some(c) = claim {
@@ -252,7 +257,15 @@ impl Store {
                 f(tx).await.map(|r| Box::new(r) as JobOutput)
             })
         });
-        let out = self.backend.write(durable, job).await?;
+        let out = match self.backend.write(durable, job).await {
+            Ok(out) => out,
+            Err(e) => {
+                if let (StoreError::OutcomeUnknown(_), Some(c)) = (&e, &unsure_of) {
+                    c.mark_unsure();
+                }
+                return Err(e);
+            }
+        };
         out.downcast::<R>()
             .map(|b| *b)
             .map_err(|_| StoreError::Other("job output of unexpected type".into()))

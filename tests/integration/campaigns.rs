@@ -319,8 +319,9 @@ async fn post_until_answered(
         if !status.is_server_error() && !in_progress {
             return (status, answer, tries);
         }
-        // The request that holds the key, or the database, is still at it.
-        tokio::task::yield_now().await;
+        // The request that holds the key, or the database, is still at it:
+        // a retrying client's pause, not a wait for an outcome.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     unreachable!()
 }

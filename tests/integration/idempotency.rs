@@ -218,3 +218,92 @@ async fn a_spawn_retried_with_its_key_starts_one_process() {
         listed.body
     );
 }
+
+/// The status kept with key `u-1`.
+async fn status_kept(db: &mut sqlx::PgConnection) -> Option<i64> {
+    sqlx::query_scalar("SELECT status::bigint FROM idempotency WHERE key = 'u-1'")
+        .fetch_one(db)
+        .await
+        .expect("key row")
+}
+
+/// An answer that the store refuses to keep when it is given (a database
+/// briefly unable to write) is given again from memory to a retry, and kept
+/// as soon as the store takes writes again: the key does not stay
+/// `request_in_progress`.
+#[tokio::test]
+async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
+    use crate::stores::{Store, run};
+    use sqlx::Connection;
+    run(Store::Postgres, async {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = Server::start_in(dir.path(), &[]).await;
+        let url = crate::stores::database_for(s.dir()).await;
+        let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
+        // Recording a key inserts its row; keeping its answer updates it.
+        sqlx::raw_sql(
+            "CREATE TABLE test_refusal (refused boolean NOT NULL);
+             INSERT INTO test_refusal VALUES (true);
+             CREATE FUNCTION test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.status IS NOT NULL AND (SELECT refused FROM test_refusal) THEN
+                     RAISE EXCEPTION 'refused by the test' USING ERRCODE = 'lock_not_available';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER test_refuse BEFORE UPDATE ON idempotency
+                 FOR EACH ROW EXECUTE FUNCTION test_refuse();",
+        )
+        .execute(&mut db)
+        .await
+        .expect("trigger");
+
+        let body = json!({"resource": "idem/unkept", "holder": "h", "ttl_ms": 60000});
+        let first = s.post_keyed("/v1/leases", "u-1", body.clone()).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+        assert_eq!(
+            status_kept(&mut db).await,
+            None,
+            "the answer is not kept yet"
+        );
+
+        let again = s.post_keyed("/v1/leases", "u-1", body.clone()).await;
+        assert_eq!(
+            (again.status, &again.body),
+            (StatusCode::CREATED, &first.body),
+            "the first answer, from memory"
+        );
+        assert!(replayed(&again));
+
+        sqlx::query("UPDATE test_refusal SET refused = false")
+            .execute(&mut db)
+            .await
+            .expect("allow");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while status_kept(&mut db).await != Some(201) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the answer was not kept within 30 s of the store taking writes"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+
+        // Kept by the store: a restart answers it too, and nothing was done twice.
+        s.kill9().await;
+        let s = Server::start_in(dir.path(), &[]).await;
+        let after = s.post_keyed("/v1/leases", "u-1", body).await;
+        assert_eq!(
+            (after.status, &after.body),
+            (StatusCode::CREATED, &first.body)
+        );
+        assert!(replayed(&after));
+        let acquired = s
+            .all_events()
+            .await
+            .iter()
+            .filter(|e| e["type"] == "lease.acquired")
+            .count();
+        assert_eq!(acquired, 1);
+    })
+    .await
+}

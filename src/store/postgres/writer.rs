@@ -118,9 +118,9 @@ const RESOLVE_FOR: Duration = Duration::from_secs(5);
 
 impl Writer {
     /// Whether transaction `txid` committed, asked on a new connection
-    /// (`txid_status`, made for a COMMIT whose answer was lost). False when
-    /// it aborted or the database cannot tell in time.
-    async fn committed(&self, txid: i64) -> bool {
+    /// (`txid_status`, made for a COMMIT whose answer was lost). None when
+    /// the database cannot tell in time.
+    async fn committed(&self, txid: i64) -> Option<bool> {
         let deadline = tokio::time::Instant::now() + RESOLVE_FOR;
         while tokio::time::Instant::now() < deadline {
             let status: std::result::Result<Option<String>, sqlx::Error> = async {
@@ -134,8 +134,8 @@ impl Writer {
             }
             .await;
             match status.as_ref().map(Option::as_deref) {
-                Ok(Some("committed")) => return true,
-                Ok(Some("aborted") | None) => return false,
+                Ok(Some("committed")) => return Some(true),
+                Ok(Some("aborted") | None) => return Some(false),
                 // Still in progress (its backend has not seen the cut yet),
                 // or the database is not back yet.
                 Ok(Some(_)) | Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
@@ -145,7 +145,7 @@ impl Writer {
             txid,
             "cannot tell whether a COMMIT whose answer was lost committed"
         );
-        false
+        None
     }
 
     /// Run `batch`; the jobs that did not run, to be queued again.
@@ -236,9 +236,16 @@ impl Writer {
             // Answered as it went: a request whose change was kept is
             // answered so, and its retry meets its own answer, not its own
             // lease as another's.
-            if !self.committed(txid).await {
-                fail(done.into_iter().map(|(r, _)| r), &e);
-                return Vec::new();
+            match self.committed(txid).await {
+                Some(true) => {}
+                known => {
+                    let e = match known {
+                        None => StoreError::OutcomeUnknown(e.to_string()),
+                        Some(_) => e,
+                    };
+                    fail(done.into_iter().map(|(r, _)| r), &e);
+                    return Vec::new();
+                }
             }
             tracing::info!(txid, "a COMMIT whose answer was lost had committed");
         }
