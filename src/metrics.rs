@@ -133,7 +133,7 @@ impl Metrics {
         );
         registry.register(
             "store_round_trips",
-            "Statements sent to PostgreSQL for writes (transactions and one-statement renewals), each a round trip; 0 on SQLite (round trips per mutation = this / store_transaction_jobs)",
+            "Sends of write statements, each a round trip: to the PostgreSQL server (transactions and one-statement renewals), or to the thread of SQLite's writer connection (round trips per mutation = this / store_transaction_jobs)",
             writes.round_trips,
         );
         Self { registry, ..m }

@@ -77,8 +77,8 @@
 //! ends with `ops/commit X.X`: requests answered (3 per churn cycle, 2 per hand-off or
 //! spawn cycle, 1 per renewal) per durable commit, from the change of
 //! `holdfast_store_commits_total{sync="full"}` in GET /metrics over the run (`-` when
-//! the server does not export it); on PostgreSQL it ends with `rt/op X.X` too, the
-//! statements sent for writes per request (`holdfast_store_round_trips_total`).
+//! the server does not export it), then `rt/op X.X`: the sends of write statements
+//! per request, to PostgreSQL or to SQLite's thread (`holdfast_store_round_trips_total`).
 //! When the bench starts the servers, they share with it the CPUs that `nproc` reports in the header. Ctrl-C or SIGTERM stops the run and
 //! everything the bench started.
 

@@ -28,8 +28,8 @@ pub fn ops_per_commit(requests: u64, commits: Option<f64>) -> String {
     }
 }
 
-/// `   rt/op X.X`: statements sent to PostgreSQL for writes per request answered;
-/// nothing when none was (SQLite).
+/// `   rt/op X.X`: sends of write statements per request answered; nothing
+/// when none was counted (a build that does not count SQLite's).
 pub fn round_trips(requests: u64, trips: f64) -> String {
     if trips <= 0.0 || requests == 0 {
         return String::new();

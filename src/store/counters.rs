@@ -18,7 +18,8 @@ pub struct SyncLabel {
 pub struct WriteCounters {
     pub commits: Family<SyncLabel, Counter>,
     pub jobs: Counter,
-    /// Statements sent to PostgreSQL for writes, each a round trip.
+    /// Sends of write statements to the database (PostgreSQL's server,
+    /// SQLite's thread), each a round trip.
     pub round_trips: Counter,
     full: Counter,
     normal: Counter,

@@ -14,6 +14,7 @@
 use std::borrow::Cow;
 
 use futures_util::TryStreamExt;
+use prometheus_client::metrics::counter::Counter;
 use serde_json::{Value, json};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Either, Sqlite, SqliteConnection};
@@ -80,6 +81,8 @@ pub struct Pipeline<'c> {
     pub seq: i64,
     /// Sends so far.
     sends: u64,
+    /// Counts every send, for /metrics.
+    trips: Option<Counter>,
     /// Where the current job's statements begin, if it gets a savepoint
     /// there when it first sends (see `begin_job`), and the job.
     savepoint_at: Option<(Mark, usize)>,
@@ -207,8 +210,15 @@ impl<'c> Pipeline<'c> {
             failed_owner: None,
             seq,
             sends: 0,
+            trips: None,
             savepoint_at: None,
         }
+    }
+
+    /// Counting every send in `trips` too.
+    pub fn counted(mut self, trips: &Counter) -> Self {
+        self.trips = Some(trips.clone());
+        self
     }
 
     /// The statements queued from now on are job `owner`'s. With
@@ -335,6 +345,9 @@ impl<'c> Pipeline<'c> {
         }
         let items = std::mem::take(&mut self.items);
         self.sends += 1;
+        if let Some(t) = &self.trips {
+            t.inc();
+        }
         let mut sql = String::new();
         let mut args = Vec::new();
         let mut first_text: Option<&str> = None;

@@ -13,7 +13,10 @@ use futures_util::FutureExt;
 use sqlx::SqliteConnection;
 
 use super::pipeline::{BATCH, BEGIN, Pipeline};
+use prometheus_client::metrics::counter::Counter;
+
 use crate::store::cache::Cache;
+use crate::store::counters::WriteCounters;
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
 use crate::store::sql_tx::SqlTx;
@@ -39,6 +42,8 @@ struct Writer {
     /// rollbacks it makes by itself on some errors (disk full, I/O).
     rolled_back: Arc<AtomicBool>,
     listener: Arc<dyn CommitListener>,
+    /// Sends to SQLite's thread, each a round trip.
+    round_trips: Counter,
 }
 
 pub(super) async fn start(
@@ -53,7 +58,9 @@ pub(super) async fn start(
         .await
         .map_err(super::map_err)?
         .set_rollback_hook(move || flag.store(true, Ordering::SeqCst));
+    let counters = WriteCounters::default();
     let writer = Writer {
+        round_trips: counters.round_trips.clone(),
         conn: tokio::sync::Mutex::new(Some(Conn {
             conn,
             full_sync: Some(true),
@@ -64,7 +71,7 @@ pub(super) async fn start(
         rolled_back,
         listener,
     };
-    Ok(Arc::new(GroupCommit::new(writer)) as Arc<dyn Writes>)
+    Ok(Arc::new(GroupCommit::counting(writer, counters)) as Arc<dyn Writes>)
 }
 
 // Boxed, as every future of sqlx calls that a spawned task awaits: rustc
@@ -124,7 +131,7 @@ impl Writer {
         }
         let durable = batch.iter().any(|j| j.durable);
         let single = batch.len() == 1;
-        let mut p = Pipeline::new(&mut c.conn, c.seq);
+        let mut p = Pipeline::new(&mut c.conn, c.seq).counted(&self.round_trips);
         p.owner = BATCH;
         if c.full_sync != Some(durable) {
             p.queue_raw(sync_pragma(durable));
@@ -273,7 +280,7 @@ impl Writer {
     }
 
     async fn sync_wal(&self, c: &mut Conn) -> Result<()> {
-        let mut p = Pipeline::new(&mut c.conn, c.seq);
+        let mut p = Pipeline::new(&mut c.conn, c.seq).counted(&self.round_trips);
         p.queue_raw(sync_pragma(true));
         p.queue_raw(BEGIN);
         let now = crate::time::now_ms().to_string();
@@ -375,6 +382,7 @@ mod tests {
             .await
             .expect("hot writes");
         let writer = Writer {
+            round_trips: Counter::default(),
             conn: tokio::sync::Mutex::new(None),
             rolled_back: Arc::new(AtomicBool::new(false)),
             listener: Arc::new(Nobody),
