@@ -17,6 +17,10 @@ use crate::store::{Store, StoreError};
 const RETRY_FOR: Duration = Duration::from_secs(600);
 const FIRST_PAUSE: Duration = Duration::from_millis(50);
 const LONGEST_PAUSE: Duration = Duration::from_secs(5);
+/// Writes tried again at once, at most: a long outage under load must not
+/// hold answers (up to 1 MiB each) without bound. Past it, a key is left
+/// `request_in_progress`, as when the retries run out.
+const MOST_TRYING: usize = 10_000;
 
 /// The keyed answers not yet kept by the store, and how many writes are
 /// still being tried.
@@ -55,7 +59,7 @@ impl Unkept {
     ) {
         let first = write(store, &key, &request_id, answer.as_ref()).await;
         let Err(e) = first else { return };
-        if !retryable(&e) {
+        if !retryable(&e) || *self.trying.borrow() >= MOST_TRYING {
             tracing::warn!(%key, error = %e, "cannot settle an idempotency key");
             return;
         }
