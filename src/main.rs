@@ -1,5 +1,8 @@
 mod cli;
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
