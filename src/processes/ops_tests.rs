@@ -689,3 +689,36 @@ async fn a_pass_keeps_and_counts_a_process_whose_owner_cannot_be_verified() {
     assert_eq!((pass.claimed, pass.unverified), (1, 0));
     assert_eq!(fx.process(&rec.id).await.token, 2);
 }
+
+#[tokio::test]
+async fn log_files_whose_record_is_gone_are_swept_and_the_others_kept() {
+    let fx = Fixture::new().await;
+    let procs = processes(&fx);
+    let kept = register(&fx, create_cmd()).await;
+    let logs = fx.dir.path().join("logs");
+    let stray = uuid::Uuid::now_v7().to_string();
+    let files = |id: &str| {
+        [
+            logs.join(format!("{id}.out")),
+            logs.join(format!("{id}.err")),
+        ]
+    };
+    for f in files(&kept.id).iter().chain(&files(&stray)) {
+        std::fs::write(f, "output").expect("write");
+    }
+    // Not a log file: never touched.
+    let other = logs.join("notes.txt");
+    std::fs::write(&other, "mine").expect("write");
+
+    assert_eq!(procs.sweep_logs().await, 2);
+    assert!(
+        files(&stray).iter().all(|f| !f.exists()),
+        "the leftovers went"
+    );
+    assert!(
+        files(&kept.id).iter().all(|f| f.exists()),
+        "a record's logs stay"
+    );
+    assert!(other.exists());
+    assert_eq!(procs.sweep_logs().await, 0, "nothing left to sweep");
+}

@@ -2,6 +2,7 @@
 //! processes at startup, ending those gone unnoticed, and claiming and
 //! stopping orphans. The request paths are in `mod.rs`.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, PoisonError};
 
@@ -54,7 +55,50 @@ impl Processes {
                 self.watch(&rec);
             }
         }
+        let me = self.clone();
+        tokio::spawn(async move {
+            let removed = me.sweep_logs().await;
+            if removed > 0 {
+                tracing::info!(removed, "removed the log files of deleted process records");
+            }
+        });
         Ok(())
+    }
+
+    /// Remove the log files whose process record is gone: retention removes
+    /// a record's logs only once its deletion commits, and a crash in
+    /// between leaves them behind. A record is written before its log files
+    /// are made, so a file found here without one is such a leftover. The
+    /// number of files removed.
+    pub async fn sweep_logs(&self) -> usize {
+        let Ok(entries) = std::fs::read_dir(&self.logs_dir) else {
+            return 0;
+        };
+        let mut by_id: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for path in entries.flatten().map(|e| e.path()) {
+            let is_log = path.extension().is_some_and(|x| x == "out" || x == "err");
+            if let (true, Some(id)) = (is_log, path.file_stem().and_then(|s| s.to_str())) {
+                by_id
+                    .entry(id.to_owned())
+                    .or_default()
+                    .push(path.display().to_string());
+            }
+        }
+        let mut removed = 0;
+        for (id, paths) in by_id {
+            match self.store.backend().get_process(&id).await {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    self.remove_logs(&paths);
+                    removed += paths.len();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot look for the records of log files; left for the next start");
+                    break;
+                }
+            }
+        }
+        removed
     }
 
     /// A spawn the server stopped in, between recording it and recording its
