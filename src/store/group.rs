@@ -62,12 +62,8 @@ pub fn fail(replies: impl IntoIterator<Item = oneshot::Sender<Result<JobOutput>>
 }
 
 impl<B: Batches> GroupCommit<B> {
-    pub fn new(batches: B) -> Arc<Self> {
-        Self::counting(batches, WriteCounters::default())
-    }
-
     /// With `counters` that `batches` counts into as well.
-    pub fn counting(batches: B, counters: WriteCounters) -> Arc<Self> {
+    pub fn new(batches: B, counters: WriteCounters) -> Arc<Self> {
         Arc::new(Self {
             queue: Mutex::default(),
             lead: Arc::default(),
@@ -328,7 +324,7 @@ mod tests {
     async fn a_lone_write_is_run_on_its_callers_task() {
         let batches = Arc::new(Gated::default());
         batches.gate.add_permits(10);
-        let g = GroupCommit::new(batches.clone());
+        let g = GroupCommit::new(batches.clone(), WriteCounters::default());
         let (id, n) = tokio::spawn({
             let g = g.clone();
             async move { (tokio::task::id(), write(&g).await) }
@@ -343,7 +339,7 @@ mod tests {
     #[tokio::test]
     async fn a_caller_that_goes_away_mid_batch_cancels_nothing() {
         let batches = Arc::new(Gated::default());
-        let g = GroupCommit::new(batches.clone());
+        let g = GroupCommit::new(batches.clone(), WriteCounters::default());
         let first = leading(&g, &batches).await;
         // Two more queue behind it; then the leader's caller goes away.
         let later: Vec<_> = (0..2)
@@ -375,7 +371,7 @@ mod tests {
     #[tokio::test]
     async fn jobs_queued_behind_an_answered_leader_get_a_leader_task() {
         let batches = Arc::new(Gated::default());
-        let g = GroupCommit::new(batches.clone());
+        let g = GroupCommit::new(batches.clone(), WriteCounters::default());
         let first = leading(&g, &batches).await;
         let second = tokio::spawn({
             let g = g.clone();

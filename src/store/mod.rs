@@ -257,15 +257,11 @@ impl Store {
                 f(tx).await.map(|r| Box::new(r) as JobOutput)
             })
         });
-        let out = match self.backend.write(durable, job).await {
-            Ok(out) => out,
-            Err(e) => {
-                if let (StoreError::OutcomeUnknown(_), Some(c)) = (&e, &unsure_of) {
-                    c.mark_unsure();
-                }
-                return Err(e);
+        let out = self.backend.write(durable, job).await.inspect_err(|e| {
+            if let (StoreError::OutcomeUnknown(_), Some(c)) = (e, &unsure_of) {
+                c.mark_unsure();
             }
-        };
+        })?;
         out.downcast::<R>()
             .map(|b| *b)
             .map_err(|_| StoreError::Other("job output of unexpected type".into()))

@@ -17,6 +17,15 @@ fn replayed(r: &crate::support::Reply) -> bool {
         .is_some_and(|v| v == "true")
 }
 
+/// How many `lease.acquired` events the server's log holds.
+async fn acquires(s: &Server) -> usize {
+    s.all_events()
+        .await
+        .iter()
+        .filter(|e| e["type"] == "lease.acquired")
+        .count()
+}
+
 /// POST /v1/leases with `key` from a task of its own: its status and body.
 fn acquire_in_background(
     s: &Server,
@@ -192,13 +201,7 @@ async fn concurrent_repeats_make_one_change() {
         created.iter().all(|b| b == &created[0]),
         "one lease, one answer"
     );
-    let acquired = s
-        .all_events()
-        .await
-        .iter()
-        .filter(|e| e["type"] == "lease.acquired")
-        .count();
-    assert_eq!(acquired, 1);
+    assert_eq!(acquires(&s).await, 1);
 }
 
 stores!(a_spawn_retried_with_its_key_starts_one_process);
@@ -297,13 +300,7 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
             (StatusCode::CREATED, &first.body)
         );
         assert!(replayed(&after));
-        let acquired = s
-            .all_events()
-            .await
-            .iter()
-            .filter(|e| e["type"] == "lease.acquired")
-            .count();
-        assert_eq!(acquired, 1);
+        assert_eq!(acquires(&s).await, 1);
     })
     .await
 }

@@ -55,7 +55,7 @@ pub(super) fn start(
         batch_limit,
         round_trips: counters.round_trips.clone(),
     };
-    Arc::new(GroupCommit::counting(writer, counters))
+    Arc::new(GroupCommit::new(writer, counters))
 }
 
 impl Batches for Writer {
@@ -236,16 +236,14 @@ impl Writer {
             // Answered as it went: a request whose change was kept is
             // answered so, and its retry meets its own answer, not its own
             // lease as another's.
-            match self.committed(txid).await {
-                Some(true) => {}
-                known => {
-                    let e = match known {
-                        None => StoreError::OutcomeUnknown(e.to_string()),
-                        Some(_) => e,
-                    };
-                    fail(done.into_iter().map(|(r, _)| r), &e);
-                    return Vec::new();
-                }
+            let outcome = self.committed(txid).await;
+            if outcome != Some(true) {
+                let e = match outcome {
+                    None => StoreError::OutcomeUnknown(e.to_string()),
+                    Some(_) => e,
+                };
+                fail(done.into_iter().map(|(r, _)| r), &e);
+                return Vec::new();
             }
             tracing::info!(txid, "a COMMIT whose answer was lost had committed");
         }

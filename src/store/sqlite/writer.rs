@@ -71,7 +71,7 @@ pub(super) async fn start(
         rolled_back,
         listener,
     };
-    Ok(Arc::new(GroupCommit::counting(writer, counters)) as Arc<dyn Writes>)
+    Ok(Arc::new(GroupCommit::new(writer, counters)) as Arc<dyn Writes>)
 }
 
 // Boxed, as every future of sqlx calls that a spawned task awaits: rustc
