@@ -3,6 +3,7 @@
 //! per host (see `writer`); reads use the pool directly and never wait
 //! behind writes; commits on other hosts arrive through `notify`.
 
+mod literal;
 mod notify;
 mod pipeline;
 mod renewals;
@@ -184,16 +185,27 @@ impl SqlStore<Postgres> {
                 ),
             ]);
         let place = describe(&opts);
+        let unreachable =
+            |e| StoreError::Unavailable(format!("cannot reach PostgreSQL at {place}: {e}"));
+        // Migrated through a pool of its own, with the same patience for a
+        // database that is still starting: every connection of the server's
+        // pool prepares statements on the tables (`pipeline::install`).
+        let migrating = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(settings.timeout)
+            .connect_with(opts.clone())
+            .await
+            .map_err(unreachable)?;
+        let migrated = schema::migrate(&migrating).await;
+        migrating.close().await;
+        migrated?;
         let pool = PgPoolOptions::new()
             .after_connect(|conn, _| pipeline::install(conn))
             .max_connections(settings.max_connections.max(2))
             .acquire_timeout(settings.timeout)
             .connect_with(opts)
             .await
-            .map_err(|e| {
-                StoreError::Unavailable(format!("cannot reach PostgreSQL at {place}: {e}"))
-            })?;
-        schema::migrate(&pool).await?;
+            .map_err(unreachable)?;
         let notifier = notify::Notifier::new();
         notifier.spawn_listener(url.to_owned(), pool.clone(), listener.clone());
         let writer = writer::start(

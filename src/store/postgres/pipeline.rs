@@ -8,6 +8,10 @@
 //! the batch with the commit's notifications, or earlier, before any
 //! statement that could see them.
 //!
+//! BEGIN and the fleet's write lock go out with the batch's first read, in
+//! one simple query (the read prepared, its values written in, `literal`):
+//! a lone acquire or release is two round trips, that one and the commit.
+//!
 //! Reads that the queued rows cannot change go out at once: a lease or the
 //! current lease of a resource the queue holds no row of, the token counter
 //! of a resource it holds none of, an owner's reservations (never queued).
@@ -17,14 +21,16 @@
 
 use std::collections::{HashMap, HashSet};
 
+use futures_util::TryStreamExt;
 use serde_json::{Value, json};
 use sqlx::PgConnection;
 use sqlx::postgres::PgRow;
 
+use super::literal::{dollar_tag, execute};
 use crate::store::db::{Cols, Exec, Hot, Stmt, json_row};
 use crate::store::rows::{CURRENT_LOCKED, LEASE_LOCKED, NEXT_TOKEN, PORTS_OF, UPDATE_INTO_INSERT};
 use crate::store::sql::lease_cols;
-use crate::store::{BoxFuture, Result};
+use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
 /// Writes the queued rows of each kind (JSON arrays of rows): lease updates
@@ -73,23 +79,21 @@ const FUNCTION: &str = concat!(
     $fn$"
 );
 
-/// Create the function on a new connection.
+/// The reads a batch may begin with, prepared on every connection under
+/// these names, to be sent with BEGIN (see `Pipeline::first`).
+const PREPARED: [(&str, &str); 2] = [
+    ("holdfast_lease_locked", LEASE_LOCKED),
+    ("holdfast_current_locked", CURRENT_LOCKED),
+];
+
+/// Create the function and prepare `PREPARED` on a new connection.
 pub fn install(conn: &mut PgConnection) -> BoxFuture<'_, std::result::Result<(), sqlx::Error>> {
     Box::pin(async move {
-        sqlx::Executor::execute(conn, FUNCTION).await?;
+        let prepare = PREPARED.map(|(name, sql)| format!("PREPARE {name} AS {sql}"));
+        sqlx::Executor::execute(&mut *conn, FUNCTION).await?;
+        sqlx::Executor::execute(conn, prepare.join("; ").as_str()).await?;
         Ok(())
     })
-}
-
-/// A dollar-quote tag (`$hf$`, `$hf1$`, ...) that none of `values` contains.
-fn dollar_tag(values: &[String]) -> String {
-    (0..)
-        .map(|n: u64| match n {
-            0 => "$hf$".to_owned(),
-            n => format!("$hf{n}$"),
-        })
-        .find(|tag| values.iter().all(|v| !v.contains(tag.as_str())))
-        .unwrap_or_default()
 }
 
 /// `sql` as a simple query (several statements, no parameters).
@@ -131,8 +135,37 @@ impl Queue {
     }
 }
 
+/// BEGIN and the fleet's write lock, which yields the transaction's id
+/// and the last event seq.
+const BEGIN: &str = "BEGIN; SELECT txid_current(), seq FROM event_seq FOR UPDATE";
+
+/// The rows of each statement of the simple query `sql`.
+fn simple(conn: &mut PgConnection, sql: String) -> BoxFuture<'_, Result<Vec<Vec<PgRow>>>> {
+    Box::pin(async move {
+        let mut out = vec![Vec::new()];
+        let mut items = sqlx::Executor::fetch_many(conn, sql.as_str());
+        while let Some(item) = items.try_next().await.map_err(super::map_err)? {
+            match item {
+                // A statement's end.
+                sqlx::Either::Left(_) => out.push(Vec::new()),
+                sqlx::Either::Right(row) => {
+                    if let Some(rows) = out.last_mut() {
+                        rows.push(row);
+                    }
+                }
+            }
+        }
+        // The one opened after the last statement's end.
+        out.pop();
+        Ok(out)
+    })
+}
+
 pub struct Pipeline<'c> {
     conn: &'c mut PgConnection,
+    /// The transaction's id, once BEGIN went out: with the batch's first
+    /// read when it can carry it, else alone.
+    txid: Option<i64>,
     /// A statement of the current job failed (which aborts the transaction).
     pub failed: bool,
     queue: Queue,
@@ -157,14 +190,14 @@ fn text_at(row: &Value, i: usize) -> String {
 }
 
 impl<'c> Pipeline<'c> {
-    /// For a transaction that holds the fleet's write lock and read `seq`
-    /// from `event_seq`.
-    pub fn new(conn: &'c mut PgConnection, seq: i64) -> Self {
+    /// For a transaction not begun yet on `conn`.
+    pub fn new(conn: &'c mut PgConnection) -> Self {
         Self {
             conn,
+            txid: None,
             failed: false,
             queue: Queue::default(),
-            seq,
+            seq: 0,
             seen: HashMap::new(),
             round_trips: 0,
         }
@@ -172,6 +205,54 @@ impl<'c> Pipeline<'c> {
 
     pub fn conn(&mut self) -> &mut PgConnection {
         self.conn
+    }
+
+    /// The transaction's id, should its COMMIT's answer be lost; None
+    /// while nothing was sent.
+    pub fn txid(&self) -> Option<i64> {
+        self.txid
+    }
+
+    /// BEGIN and take the fleet's lock, followed by `then` (a statement with
+    /// its values written in) when there is one, in one round trip: its
+    /// rows.
+    async fn begin(&mut self, then: Option<String>) -> Result<Vec<PgRow>> {
+        let sql = match then {
+            Some(then) => format!("{BEGIN}; {then}"),
+            None => BEGIN.to_owned(),
+        };
+        self.round_trips += 1;
+        let out = simple(self.conn, sql).await;
+        // BEGIN's own result first.
+        let mut results = self.note(out)?.into_iter().skip(1);
+        let lock = results.next().and_then(|rows| rows.into_iter().next());
+        let lock = lock.ok_or_else(|| StoreError::Other("event_seq has no row".into()))?;
+        self.txid = Some(lock.int(0)?);
+        self.seq = lock.int(1)?;
+        Ok(results.next().unwrap_or_default())
+    }
+
+    async fn begun(&mut self) -> Result<()> {
+        if self.txid.is_none() {
+            self.begin(None).await?;
+        }
+        Ok(())
+    }
+
+    /// The rows of `s` read with BEGIN, when it is the transaction's first
+    /// statement: one round trip fewer for every batch. None when it is
+    /// not, or is not one of `PREPARED` (BEGIN then goes alone).
+    async fn first(&mut self, s: &Stmt<'_>) -> Result<Option<Vec<PgRow>>> {
+        if self.txid.is_some() {
+            return Ok(None);
+        }
+        let prepared = PREPARED.iter().find(|(_, sql)| *sql == s.sql);
+        let call = prepared.and_then(|(name, _)| execute(name, &s.args));
+        // Queued writes (which need no BEGIN to be queued) go before any read.
+        match call.filter(|_| self.queue.is_empty()) {
+            Some(sql) => self.begin(Some(sql)).await.map(Some),
+            None => self.begin(None).await.map(|_| None),
+        }
     }
 
     fn note<T>(&mut self, out: Result<T>) -> Result<T> {
@@ -218,7 +299,7 @@ impl<'c> Pipeline<'c> {
             json!(notices).to_string(),
             channel.to_owned(),
         ];
-        let tag = dollar_tag(&values);
+        let tag = dollar_tag(&values.each_ref().map(String::as_str));
         let [updates, inserts, events, tokens, notices, channel] =
             values.map(|v| format!("{tag}{v}{tag}"));
         format!(
@@ -244,9 +325,15 @@ impl<'c> Pipeline<'c> {
     /// roll back.
     pub async fn commit(&mut self, channel: &str, notices: &[String]) -> Result<()> {
         if self.queue.is_empty() && notices.is_empty() {
+            if self.txid.is_none() {
+                return Ok(());
+            }
+            self.round_trips += 1;
             return exec(self.conn, "COMMIT").await;
         }
+        self.begun().await?;
         let call = self.write_call(channel, notices);
+        self.round_trips += 1;
         exec(self.conn, format!("{call}; COMMIT")).await
     }
 
@@ -305,13 +392,18 @@ impl Exec for Pipeline<'_> {
 
     fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<PgRow>>> {
         Box::pin(async move {
-            if self.sees_queue(&s) {
-                self.send_queue().await?;
-            }
             let leases = s.sql == LEASE_LOCKED || s.sql == CURRENT_LOCKED;
-            self.round_trips += 1;
-            let out = self.conn.fetch(s).await;
-            let rows = self.note(out)?;
+            let rows = match self.first(&s).await? {
+                Some(rows) => rows,
+                None => {
+                    if self.sees_queue(&s) {
+                        self.send_queue().await?;
+                    }
+                    self.round_trips += 1;
+                    let out = self.conn.fetch(s).await;
+                    self.note(out)?
+                }
+            };
             if leases {
                 for r in &rows {
                     if let (Some(id), Some(resource)) = (r.opt_text(0)?, r.opt_text(1)?) {
@@ -325,6 +417,7 @@ impl Exec for Pipeline<'_> {
 
     fn execute<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            self.begun().await?;
             self.send_queue().await?;
             self.round_trips += 1;
             let out = self.conn.execute(s).await;
@@ -334,6 +427,7 @@ impl Exec for Pipeline<'_> {
 
     fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
+            self.begun().await?;
             self.send_queue().await?;
             self.round_trips += 1;
             let out = self.conn.execute_one(s, what).await;
@@ -359,31 +453,22 @@ impl Exec for Pipeline<'_> {
     }
 
     fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
-        self.seq += 1;
-        self.queue.events.push(json!([self.seq, at, body]));
-        let seq = self.seq;
-        Box::pin(async move { Ok(seq) })
+        Box::pin(async move {
+            self.begun().await?;
+            self.seq += 1;
+            self.queue.events.push(json!([self.seq, at, body]));
+            Ok(self.seq)
+        })
     }
 
     fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>> {
-        let seq = self.seq;
-        Box::pin(async move { Ok(seq) })
+        Box::pin(async move {
+            self.begun().await?;
+            Ok(self.seq)
+        })
     }
 
     fn locks_rows(&self) -> bool {
         true
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::dollar_tag;
-
-    #[test]
-    fn the_dollar_quote_tag_is_one_no_value_contains() {
-        let plain = ["{\"a\":\"$1\"}".to_owned()];
-        assert_eq!(dollar_tag(&plain), "$hf$");
-        let tricky = ["x$hf$y".to_owned(), "$hf1$".to_owned()];
-        assert_eq!(dollar_tag(&tricky), "$hf2$");
     }
 }

@@ -20,9 +20,8 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use sqlx::pool::PoolConnection;
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{PgPool, Postgres};
 
-use super::map_err;
 use super::pipeline::{Pipeline, exec};
 use crate::store::cache::Cache;
 use crate::store::counters::WriteCounters;
@@ -30,7 +29,7 @@ use crate::store::db::conn_err;
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
 use crate::store::sql_tx::SqlTx;
-use crate::store::{BoxFuture, CommitListener, Effect, Result, StoreError};
+use crate::store::{BoxFuture, CommitListener, Effect, StoreError};
 use prometheus_client::metrics::counter::Counter;
 
 struct Writer {
@@ -93,25 +92,6 @@ impl Drop for InTx {
     }
 }
 
-/// BEGIN and take the fleet's write lock; the transaction's id and the
-/// last event seq.
-fn begin(c: &mut PgConnection) -> BoxFuture<'_, Result<(i64, i64)>> {
-    Box::pin(async move {
-        let rows = sqlx::Executor::fetch_all(
-            c,
-            "BEGIN; SELECT txid_current(), seq FROM event_seq FOR UPDATE",
-        )
-        .await
-        .map_err(map_err)?;
-        let row = rows
-            .first()
-            .ok_or_else(|| StoreError::Other("event_seq has no row".into()))?;
-        let txid = sqlx::Row::try_get::<i64, _>(row, 0).map_err(map_err)?;
-        let seq = sqlx::Row::try_get::<i64, _>(row, 1).map_err(map_err)?;
-        Ok((txid, seq))
-    })
-}
-
 /// How long a lost COMMIT's outcome is looked for before the batch counts
 /// as failed (its requests answered `unavailable`, as before).
 const RESOLVE_FOR: Duration = Duration::from_secs(5);
@@ -158,18 +138,8 @@ impl Writer {
                 return Vec::new();
             }
         };
-        // One round trip: a simple query may hold several statements. The
-        // transaction's id tells, should the COMMIT's answer be lost,
-        // whether it committed.
-        let (txid, seq) = match begin(&mut conn.conn).await {
-            Ok(begun) => begun,
-            Err(e) => {
-                conn.open = exec(&mut conn.conn, "ROLLBACK").await.is_err();
-                fail(batch.into_iter().map(|j| j.reply), &e);
-                return Vec::new();
-            }
-        };
-        let mut pipe = Pipeline::new(&mut conn.conn, seq);
+        // BEGIN and the fleet's lock go with the first job's first read.
+        let mut pipe = Pipeline::new(&mut conn.conn);
         // What this transaction read and wrote: it holds the fleet's lock
         // and its row locks, so no one else changes those rows meanwhile.
         let mut cache = Cache::default();
@@ -210,11 +180,22 @@ impl Writer {
                     // only a database or code failure gets here. The jobs
                     // that ran with it were not kept and may be retried; those
                     // that did not run yet go back to the queue.
+                    let begun = pipe.txid().is_some();
                     let rolled_back = exec(pipe.conn(), "ROLLBACK").await.is_ok();
                     conn.open = !rolled_back;
+                    // The transaction did not begin (its lock not taken in
+                    // time, the database gone): every job fails alike, and
+                    // none waits for that again.
+                    let left = match begun {
+                        true => jobs.collect(),
+                        false => {
+                            fail(jobs.map(|j| j.reply), &e);
+                            Vec::new()
+                        }
+                    };
                     let _ = job.reply.send(Err(e));
                     fail(done.into_iter().map(|(r, _)| r), &StoreError::Busy);
-                    return jobs.collect();
+                    return left;
                 }
             }
         }
@@ -222,8 +203,8 @@ impl Writer {
         // hosts only if this commits) and COMMIT, in one round trip.
         let notices = self.notify.payloads(&effects);
         let committed = pipe.commit(super::notify::CHANNEL, &notices).await;
-        // With BEGIN and the commit.
-        self.round_trips.inc_by(pipe.round_trips + 2);
+        let txid = pipe.txid();
+        self.round_trips.inc_by(pipe.round_trips);
         conn.open = committed.is_err();
         if let Err(e) = committed {
             let _ = exec(&mut conn.conn, "ROLLBACK").await;
@@ -236,7 +217,11 @@ impl Writer {
             // Answered as it went: a request whose change was kept is
             // answered so, and its retry meets its own answer, not its own
             // lease as another's.
-            let outcome = self.committed(txid).await;
+            let outcome = match txid {
+                Some(txid) => self.committed(txid).await,
+                // BEGIN itself failed with it.
+                None => Some(false),
+            };
             if outcome != Some(true) {
                 let e = match outcome {
                     None => StoreError::OutcomeUnknown(e.to_string()),
@@ -262,7 +247,7 @@ mod tests {
     use super::*;
     use crate::model::LeaseState;
     use crate::store::postgres::{PgStore, PoolSettings};
-    use crate::store::{JobFn, JobOutput};
+    use crate::store::{JobFn, JobOutput, Result};
     use crate::tx::fixture::lease_record;
     use sqlx::Connection;
     use tokio::sync::oneshot;
@@ -501,10 +486,11 @@ mod tests {
         let (start_e, e_rx) = acquire("e", "r", 5);
         let before = w.round_trips.get();
         assert!(w.run_batch(vec![start_e]).await.is_empty());
-        // BEGIN, the read of the resource, and the commit with the writes.
+        // BEGIN with the read of the resource, and the commit with the
+        // writes.
         assert_eq!(
             w.round_trips.get() - before,
-            3,
+            2,
             "no round trip for the token"
         );
         answered(vec![d_rx, e_rx]).await;
@@ -577,5 +563,39 @@ mod tests {
             .await
             .expect("keys");
         assert_eq!(keys, ["after"], "nothing of the failed batch was kept");
+    }
+
+    #[tokio::test]
+    async fn a_batch_that_cannot_take_the_fleet_lock_fails_all_its_jobs_at_once() {
+        let Some(w) = store().await else {
+            return;
+        };
+        let opts = (*w.pool.connect_options())
+            .clone()
+            .options([("lock_timeout", "200ms")]);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .after_connect(|c, _| super::super::pipeline::install(c))
+            .connect_with(opts)
+            .await
+            .expect("pool");
+        let w = Writer { pool, ..w };
+        let mut holder = w.pool.acquire().await.expect("connection");
+        exec(&mut holder, "BEGIN; SELECT seq FROM event_seq FOR UPDATE")
+            .await
+            .expect("the fleet lock");
+        let (a, a_rx) = acquire("a", "r", 1);
+        let (b, b_rx) = acquire("b", "s", 1);
+        let left = w.run_batch(vec![a, b]).await;
+        // BEGIN goes with the first job's read: the second job must not be
+        // queued again, to wait out the lock once more.
+        assert!(left.is_empty(), "{} jobs queued again", left.len());
+        for rx in [a_rx, b_rx] {
+            let out = rx.await.map(|o| o.map(|_| ()));
+            assert!(matches!(out, Ok(Err(StoreError::Busy))), "{out:?}");
+        }
+        exec(&mut holder, "ROLLBACK").await.expect("unlock");
+        let (a, a_rx) = acquire("a", "r", 1);
+        assert!(w.run_batch(vec![a]).await.is_empty());
+        answered(vec![a_rx]).await;
     }
 }
