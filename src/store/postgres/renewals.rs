@@ -28,8 +28,6 @@ use crate::store::sql_store::RenewsPlain;
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
-/// Statements out at once.
-const MAX_OUT: usize = 1;
 /// Renewals in one statement.
 const MAX_GROUP: usize = 256;
 
@@ -72,10 +70,8 @@ struct Renewal {
 #[derive(Default)]
 struct State {
     waiting: Vec<Renewal>,
-    /// Tasks sending groups.
-    out: usize,
-    /// The leases of the groups out.
-    out_ids: HashSet<String>,
+    /// A task is sending groups (one statement out at a time).
+    sending: bool,
 }
 
 pub struct Renewals {
@@ -97,39 +93,23 @@ impl Renewals {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The next group: at most one renewal per lease, and none of a lease
-    /// another group out renews (a statement applies only one of two to the
-    /// same row, and one would skip the row the other holds); the others
-    /// are left waiting, for the task whose group holds their lease. None,
-    /// and one task fewer out, when none is left to send.
+    /// The next group: at most one renewal per lease (a statement applies
+    /// only one of two to the same row); the others are left waiting for
+    /// the next. None, and no task sending, when none is left to send.
     fn next_group(&self) -> Option<Vec<Renewal>> {
         let mut s = self.state();
-        let State {
-            waiting, out_ids, ..
-        } = &mut *s;
         let mut ids = HashSet::new();
-        let (group, left): (Vec<_>, Vec<_>) = std::mem::take(waiting).into_iter().partition(|r| {
-            ids.len() < MAX_GROUP && !out_ids.contains(&r.id) && ids.insert(r.id.clone())
-        });
-        *waiting = left;
-        if group.is_empty() {
-            s.out -= 1;
-            return None;
-        }
-        s.out_ids.extend(ids);
-        Some(group)
+        let (group, left): (Vec<_>, Vec<_>) = std::mem::take(&mut s.waiting)
+            .into_iter()
+            .partition(|r| ids.len() < MAX_GROUP && ids.insert(r.id.clone()));
+        s.waiting = left;
+        s.sending = !group.is_empty();
+        (!group.is_empty()).then_some(group)
     }
 
     async fn send_groups(self: Arc<Self>) {
         while let Some(group) = self.next_group() {
-            let sent = self.send(&group).await;
-            {
-                let mut s = self.state();
-                for r in &group {
-                    s.out_ids.remove(&r.id);
-                }
-            }
-            match sent {
+            match self.send(&group).await {
                 Ok(renewed) => {
                     for r in group {
                         let found = renewed.iter().find(|l| l.id == r.id).cloned();
@@ -195,11 +175,7 @@ impl RenewsPlain for Arc<Renewals> {
                     now,
                     reply,
                 });
-                let start = s.out < MAX_OUT;
-                if start {
-                    s.out += 1;
-                }
-                start
+                !std::mem::replace(&mut s.sending, true)
             };
             // In a task of its own: a caller that goes away must not cancel
             // a statement that carries others' renewals.
