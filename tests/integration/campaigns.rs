@@ -147,7 +147,7 @@ impl Load {
 }
 
 /// Every item of a list endpoint, paging through.
-async fn list_all(s: &Server, path: &str) -> Vec<Value> {
+pub(crate) async fn list_all(s: &Server, path: &str) -> Vec<Value> {
     let mut out = Vec::new();
     let mut cursor = String::new();
     loop {
@@ -297,28 +297,39 @@ async fn post_until_answered(
     body: &Value,
 ) -> (StatusCode, Value, usize) {
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
+    // What the last try got, for the message should the deadline pass.
+    let mut last = String::new();
     for tries in 1.. {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "{url} not answered in 120 s"
+            "{url} (key {key}) not answered in 120 s; last: {last}"
         );
-        let Ok(res) = client
+        let res = match client
             .post(url)
             .header("idempotency-key", key)
             .json(body)
             .send()
             .await
-        else {
-            continue;
+        {
+            Ok(res) => res,
+            Err(e) => {
+                last = e.to_string();
+                continue;
+            }
         };
         let status = res.status();
-        let Ok(answer) = res.json::<Value>().await else {
-            continue;
+        let answer = match res.json::<Value>().await {
+            Ok(answer) => answer,
+            Err(e) => {
+                last = format!("{status}: {e}");
+                continue;
+            }
         };
         let in_progress = status == StatusCode::CONFLICT && answer["code"] == "request_in_progress";
         if !status.is_server_error() && !in_progress {
             return (status, answer, tries);
         }
+        last = format!("{status} {answer}");
         // The request that holds the key, or the database, is still at it:
         // a retrying client's pause, not a wait for an outcome.
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
@@ -440,126 +451,6 @@ async fn keyed_writes_retried_through_cut_database_connections_are_done_once() {
              duplicates 0, lost answers 0",
             tries - ops
         );
-    })
-    .await
-}
-
-/// A TCP proxy to PostgreSQL that, once armed, passes on the next COMMIT
-/// and drops the connection before its answer comes back: a COMMIT that
-/// happens while its client is told the connection broke.
-struct CommitCutter {
-    port: u16,
-    armed: Arc<AtomicBool>,
-}
-
-impl CommitCutter {
-    async fn start(upstream: String) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        let armed = Arc::new(AtomicBool::new(false));
-        let on = armed.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let server = tokio::net::TcpStream::connect(&upstream)
-                    .await
-                    .expect("connect upstream");
-                tokio::spawn(Self::pipe(client, server, on.clone()));
-            }
-        });
-        Self { port, armed }
-    }
-
-    async fn pipe(
-        client: tokio::net::TcpStream,
-        server: tokio::net::TcpStream,
-        armed: Arc<AtomicBool>,
-    ) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let (mut cr, mut cw) = client.into_split();
-        let (mut sr, mut sw) = server.into_split();
-        let cut = Arc::new(tokio::sync::Notify::new());
-        let to_client = {
-            let cut = cut.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                loop {
-                    tokio::select! {
-                        biased;
-                        // The COMMIT's answer, and all after it, never arrives.
-                        () = cut.notified() => return,
-                        n = sr.read(&mut buf) => match n {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => if cw.write_all(&buf[..n]).await.is_err() { return },
-                        },
-                    }
-                }
-            })
-        };
-        let mut buf = vec![0u8; 65536];
-        while let Ok(n) = cr.read(&mut buf).await {
-            let commit = buf[..n].windows(7).any(|w| w == b"COMMIT\0");
-            // Cut before the COMMIT goes, so that its answer cannot pass.
-            let cutting = commit && armed.swap(false, Ordering::SeqCst);
-            if cutting {
-                cut.notify_one();
-            }
-            // PostgreSQL reads the COMMIT before the end of the stream, and
-            // commits.
-            if n == 0 || sw.write_all(&buf[..n]).await.is_err() || cutting {
-                break;
-            }
-        }
-        let _ = to_client.await;
-    }
-}
-
-#[tokio::test]
-async fn a_commit_whose_answer_is_lost_is_answered_as_kept_and_its_retry_replays_it() {
-    use crate::stores::{Store, run};
-    if crate::stores::postgres_base().is_none() {
-        return;
-    }
-    // Run as a SQLite test so that the server is given only the proxy's
-    // address as its database, not the database's own.
-    run(Store::Sqlite, async {
-        let tmp = tempfile::tempdir().expect("tempdir");
-        let url = crate::stores::database_for(tmp.path()).await;
-        let rest = url.split_once("://").expect("url").1;
-        let (auth, rest) = rest.split_once('@').expect("user@host");
-        let (host, name) = rest.split_once('/').expect("host/db");
-        let proxy = CommitCutter::start(host.to_owned()).await;
-        let through = format!("postgres://{auth}@127.0.0.1:{}/{name}", proxy.port);
-        let s = Server::start_in(
-            tmp.path(),
-            &["--database", &through, "--reconcile-interval-ms", "3600000"],
-        )
-        .await;
-        // The reconciler's first pass (at start) writes too: the cut is
-        // for the request's COMMIT.
-        s.eventually("/metrics", std::time::Duration::from_secs(10), |m| {
-            crate::support::metric(m, "holdfast_reconciler_passes_total").is_some_and(|n| n > 0)
-        })
-        .await;
-
-        let body = json!({"resource": "lost/commit", "holder": "h", "ttl_ms": 60_000});
-        proxy.armed.store(true, Ordering::SeqCst);
-        let first = s.post_keyed("/v1/leases", "lost-1", body.clone()).await;
-        assert!(!proxy.armed.load(Ordering::SeqCst), "a COMMIT was cut");
-        assert_eq!(
-            first.status,
-            StatusCode::CREATED,
-            "the change was kept, and answered so: {}",
-            first.body
-        );
-        let again = s.post_keyed("/v1/leases", "lost-1", body).await;
-        assert_eq!(again.status, StatusCode::CREATED, "{}", again.body);
-        assert_eq!(again.body, first.body);
-        let leases = list_all(&s, "/v1/leases?state=all&resource=lost/commit").await;
-        assert_eq!(leases.len(), 1, "{leases:?}");
-        drop(s);
-        crate::stores::drop_database_of(tmp.path());
     })
     .await
 }

@@ -9,6 +9,7 @@ mod errors;
 mod fleet;
 mod idempotency;
 mod leases;
+mod lost_commit;
 mod orphans;
 mod owners;
 mod ports;

@@ -29,8 +29,9 @@ use crate::store::db::conn_err;
 use crate::store::group::{Batches, GroupCommit, Job, fail};
 use crate::store::sql_store::Writes;
 use crate::store::sql_tx::SqlTx;
-use crate::store::{BoxFuture, CommitListener, Effect, StoreError};
+use crate::store::{BoxFuture, CommitListener, Effect, JobOutput, Result, StoreError};
 use prometheus_client::metrics::counter::Counter;
+use tokio::sync::oneshot;
 
 struct Writer {
     pool: PgPool,
@@ -92,40 +93,97 @@ impl Drop for InTx {
     }
 }
 
-/// How long a lost COMMIT's outcome is looked for before the batch counts
-/// as failed (its requests answered `unavailable`, as before).
-const RESOLVE_FOR: Duration = Duration::from_secs(5);
+/// How long a lost COMMIT's outcome is looked for before its requests are
+/// answered `unavailable` with their keys held: long enough for a database
+/// that restarts or a connection storm to pass, and the writer does not
+/// wait for it (`resolve`).
+const RESOLVE_FOR: Duration = Duration::from_secs(60);
+const FIRST_ASK_PAUSE: Duration = Duration::from_millis(20);
+const LONGEST_ASK_PAUSE: Duration = Duration::from_secs(1);
+const ASK_LIMIT: Duration = Duration::from_secs(5);
 
-impl Writer {
-    /// Whether transaction `txid` committed, asked on a new connection
-    /// (`txid_status`, made for a COMMIT whose answer was lost). None when
-    /// the database cannot tell in time.
-    async fn committed(&self, txid: i64) -> Option<bool> {
-        let deadline = tokio::time::Instant::now() + RESOLVE_FOR;
-        while tokio::time::Instant::now() < deadline {
-            let status: std::result::Result<Option<String>, sqlx::Error> = async {
-                let mut conn = self.pool.acquire().await?;
-                let fut: BoxFuture<'_, std::result::Result<Option<String>, sqlx::Error>> = Box::pin(
-                    sqlx::query_scalar("SELECT txid_status($1)")
-                        .bind(txid)
-                        .fetch_one(&mut *conn),
-                );
-                fut.await
-            }
-            .await;
-            match status.as_ref().map(Option::as_deref) {
-                Ok(Some("committed")) => return Some(true),
-                Ok(Some("aborted") | None) => return Some(false),
-                // Still in progress (its backend has not seen the cut yet),
-                // or the database is not back yet.
-                Ok(Some(_)) | Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+/// Whether transaction `txid` committed (`txid_status`, made for a COMMIT
+/// whose answer was lost), asked on an idle connection of the pool, or
+/// else on a plain one of its own: without the pool's setup
+/// (`pipeline::install`), each try is one connect and one statement, and
+/// does not wait for a full pool. None when the database cannot tell in
+/// time.
+async fn committed(pool: &PgPool, txid: i64) -> Option<bool> {
+    let deadline = tokio::time::Instant::now() + RESOLVE_FOR;
+    let mut pause = FIRST_ASK_PAUSE;
+    while tokio::time::Instant::now() < deadline {
+        // A try that hangs (a half-open socket) gives way to the next.
+        let status = tokio::time::timeout(ASK_LIMIT, txid_status(pool, txid)).await;
+        match status.as_ref().map(|s| s.as_ref().map(Option::as_deref)) {
+            Ok(Ok(Some("committed"))) => return Some(true),
+            Ok(Ok(Some("aborted") | None)) => return Some(false),
+            // Still in progress (its backend has not seen the cut yet),
+            // or the database is not back yet.
+            Ok(Ok(Some(_)) | Err(_)) | Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(LONGEST_ASK_PAUSE);
             }
         }
-        tracing::warn!(
-            txid,
-            "cannot tell whether a COMMIT whose answer was lost committed"
-        );
-        None
+    }
+    tracing::warn!(
+        txid,
+        "cannot tell whether a COMMIT whose answer was lost committed"
+    );
+    None
+}
+
+async fn txid_status(pool: &PgPool, txid: i64) -> std::result::Result<Option<String>, sqlx::Error> {
+    use sqlx::Connection;
+    fn ask<'c>(
+        conn: &'c mut sqlx::PgConnection,
+        txid: i64,
+    ) -> BoxFuture<'c, std::result::Result<Option<String>, sqlx::Error>> {
+        Box::pin(
+            sqlx::query_scalar("SELECT txid_status($1)")
+                .bind(txid)
+                .fetch_one(conn),
+        )
+    }
+    if let Some(mut conn) = pool.try_acquire() {
+        let status = ask(&mut conn, txid).await;
+        if status.is_ok() {
+            return status;
+        }
+        // Cut with the COMMIT's, most likely: not to be handed out again.
+        conn.close_on_drop();
+    }
+    let opts = pool.connect_options();
+    let fut: BoxFuture<'_, _> = Box::pin(sqlx::PgConnection::connect_with(&opts));
+    let mut conn = fut.await?;
+    let status = ask(&mut conn, txid).await;
+    let _ = conn.close().await;
+    status
+}
+
+impl Writer {
+    /// Answer the jobs of a batch whose COMMIT (transaction `txid`) failed
+    /// with `e`, once the database tells whether it committed. On a task
+    /// of its own: the next batches need not wait for the answer, since
+    /// they take the fleet's lock, which that transaction holds until its
+    /// backend has ended it one way or the other.
+    fn resolve(&self, txid: i64, e: StoreError, done: Done, effects: Vec<Effect>) {
+        let (pool, listener) = (self.pool.clone(), self.listener.clone());
+        tokio::spawn(async move {
+            match committed(&pool, txid).await {
+                Some(true) => {
+                    tracing::info!(txid, "a COMMIT whose answer was lost had committed");
+                    answer(listener.as_ref(), done, &effects);
+                }
+                Some(false) => {
+                    tracing::warn!(txid, error = %e, "a COMMIT whose answer was lost had not committed");
+                    fail(done.into_iter().map(|(r, _)| r), &e);
+                }
+                None => fail(
+                    done.into_iter().map(|(r, _)| r),
+                    &StoreError::OutcomeUnknown(e.to_string()),
+                ),
+            }
+        });
     }
 
     /// Run `batch`; the jobs that did not run, to be queued again.
@@ -208,8 +266,7 @@ impl Writer {
         conn.open = committed.is_err();
         if let Err(e) = committed {
             let _ = exec(&mut conn.conn, "ROLLBACK").await;
-            // Closed now: the question goes on a connection of its own, and
-            // a full pool must not wait for this one.
+            // Closed now: the question goes on a connection of its own.
             drop(conn);
             // A COMMIT whose answer was lost may have committed: waiters
             // here look again (this host ignores its own notifications).
@@ -217,28 +274,28 @@ impl Writer {
             // Answered as it went: a request whose change was kept is
             // answered so, and its retry meets its own answer, not its own
             // lease as another's.
-            let outcome = match txid {
-                Some(txid) => self.committed(txid).await,
+            match txid {
+                Some(txid) => self.resolve(txid, e, done, effects),
                 // BEGIN itself failed with it.
-                None => Some(false),
-            };
-            if outcome != Some(true) {
-                let e = match outcome {
-                    None => StoreError::OutcomeUnknown(e.to_string()),
-                    Some(_) => e,
-                };
-                fail(done.into_iter().map(|(r, _)| r), &e);
-                return Vec::new();
+                None => fail(done.into_iter().map(|(r, _)| r), &e),
             }
-            tracing::info!(txid, "a COMMIT whose answer was lost had committed");
+            return Vec::new();
         }
-        if !effects.is_empty() {
-            self.listener.committed(&effects);
-        }
-        for (reply, out) in done {
-            let _ = reply.send(Ok(out));
-        }
+        answer(self.listener.as_ref(), done, &effects);
         Vec::new()
+    }
+}
+
+/// The jobs of a batch that ran, with what each answers.
+type Done = Vec<(oneshot::Sender<Result<JobOutput>>, JobOutput)>;
+
+/// Announce a committed batch's `effects` and answer its jobs.
+fn answer(listener: &dyn CommitListener, done: Done, effects: &[Effect]) {
+    if !effects.is_empty() {
+        listener.committed(effects);
+    }
+    for (reply, out) in done {
+        let _ = reply.send(Ok(out));
     }
 }
 
