@@ -211,8 +211,17 @@ impl Processes {
             port_range,
         };
         let host_id = self.host_id();
+        // A registration is answered by this commit: it reaches the disk
+        // first. A spawn's record need not before the child starts (as a
+        // stop's `stopping`, below): a crash of holdfast keeps it (the WAL is
+        // written either way), a power loss, which might not, ends the child
+        // too, and the commit of the started child, which the answer waits
+        // for, makes it durable with it.
+        let durable = req.command.is_none();
         self.creating();
-        let created = in_tx!(self, true, |tx, cx| ops::create(tx, cx, &host_id, create));
+        let created = in_tx!(self, durable, |tx, cx| ops::create(
+            tx, cx, &host_id, create
+        ));
         self.creating();
         let (rec, ports) = created??;
         let (Some(cmd), Some(logs)) = (req.command, logs) else {

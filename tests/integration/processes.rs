@@ -175,6 +175,34 @@ async fn the_stop_answer_and_its_event_say_how_the_process_ended() {
     }
 }
 
+stores!(a_spawn_and_its_stop_take_two_durable_commits_and_a_registration_one);
+/// A spawn's record is committed without an fsync before the child starts
+/// (docs/durability.md says why that is safe); its answer waits for the
+/// durable commit of the started child, as a stop's waits for its end's.
+async fn a_spawn_and_its_stop_take_two_durable_commits_and_a_registration_one() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let before = s.durable_transactions().await;
+    let p = s
+        .spawn(json!({"kind": "job", "command": {"argv": ["sleep", "30"]}}))
+        .await;
+    assert_eq!(p["state"], "running", "{p}");
+    assert_eq!(s.durable_transactions().await - before, 1, "the spawn");
+    let before = s.durable_transactions().await;
+    let stop = s
+        .process_op(&id(&p), "stop", json!({"token": p["token"]}))
+        .await;
+    assert_eq!(stop.body["state"], "stopped", "{}", stop.body);
+    assert_eq!(s.durable_transactions().await - before, 1, "the stop");
+    let before = s.durable_transactions().await;
+    let r = s.post("/v1/processes", json!({"kind": "worker"})).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(
+        s.durable_transactions().await - before,
+        1,
+        "the registration"
+    );
+}
+
 stores!(a_program_that_cannot_run_is_422_and_nothing_is_recorded);
 async fn a_program_that_cannot_run_is_422_and_nothing_is_recorded() {
     let s = Server::start().await;

@@ -351,6 +351,17 @@ pub fn assert_lease_shape(lease: &Value) {
 
 impl Server {
     /// Spawn `argv` through the server and expect it to be running.
+    /// Durable write transactions the server has run so far.
+    pub async fn durable_transactions(&self) -> u64 {
+        let m = self.get("/metrics").await.body;
+        metric(&m, r#"holdfast_store_transactions_total{sync="full"}"#).unwrap_or_else(|| {
+            panic!(
+                "no durable transaction counter in:\n{}",
+                m.as_str().unwrap_or_default()
+            )
+        })
+    }
+
     pub async fn spawn(&self, body: Value) -> Value {
         let r = self.post("/v1/processes", body).await;
         assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);

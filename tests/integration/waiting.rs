@@ -197,19 +197,6 @@ async fn queued(s: &Server, n: usize) {
     .await;
 }
 
-/// Durable write transactions the server has run so far.
-async fn durable_transactions(s: &Server) -> u64 {
-    let m = s.get("/metrics").await.body;
-    crate::support::metric(&m, r#"holdfast_store_transactions_total{sync="full"}"#).unwrap_or_else(
-        || {
-            panic!(
-                "no durable transaction counter in:\n{}",
-                m.as_str().unwrap_or_default()
-            )
-        },
-    )
-}
-
 stores!(a_release_hands_the_lease_to_the_first_waiter_in_one_commit);
 async fn a_release_hands_the_lease_to_the_first_waiter_in_one_commit() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
@@ -218,7 +205,7 @@ async fn a_release_hands_the_lease_to_the_first_waiter_in_one_commit() {
     queued(&s, 1).await;
     let third = waiter(&s, "h", "third", None);
     queued(&s, 2).await;
-    let before = durable_transactions(&s).await;
+    let before = s.durable_transactions().await;
     let id = held["id"].as_str().expect("id");
     let released = s.lease_op(id, "release", json!({"token": 1})).await;
     assert_eq!(released.status, StatusCode::OK);
@@ -229,7 +216,7 @@ async fn a_release_hands_the_lease_to_the_first_waiter_in_one_commit() {
         (Some("second"), Some(2))
     );
     assert_eq!(
-        durable_transactions(&s).await - before,
+        s.durable_transactions().await - before,
         1,
         "the release and the waiter's acquire are one commit"
     );
