@@ -176,12 +176,9 @@ impl Writer {
                 }
                 Some(false) => {
                     tracing::warn!(txid, error = %e, "a COMMIT whose answer was lost had not committed");
-                    fail(done.into_iter().map(|(r, _)| r), &e);
+                    fail_done(done, &e);
                 }
-                None => fail(
-                    done.into_iter().map(|(r, _)| r),
-                    &StoreError::OutcomeUnknown(e.to_string()),
-                ),
+                None => fail_done(done, &StoreError::OutcomeUnknown(e.to_string())),
             }
         });
     }
@@ -252,7 +249,7 @@ impl Writer {
                         }
                     };
                     let _ = job.reply.send(Err(e));
-                    fail(done.into_iter().map(|(r, _)| r), &StoreError::Busy);
+                    fail_done(done, &StoreError::Busy);
                     return left;
                 }
             }
@@ -277,7 +274,7 @@ impl Writer {
             match txid {
                 Some(txid) => self.resolve(txid, e, done, effects),
                 // BEGIN itself failed with it.
-                None => fail(done.into_iter().map(|(r, _)| r), &e),
+                None => fail_done(done, &e),
             }
             return Vec::new();
         }
@@ -288,6 +285,11 @@ impl Writer {
 
 /// The jobs of a batch that ran, with what each answers.
 type Done = Vec<(oneshot::Sender<Result<JobOutput>>, JobOutput)>;
+
+/// Answer every job of a batch that was not kept with `e`.
+fn fail_done(done: Done, e: &StoreError) {
+    fail(done.into_iter().map(|(r, _)| r), e);
+}
 
 /// Announce a committed batch's `effects` and answer its jobs.
 fn answer(listener: &dyn CommitListener, done: Done, effects: &[Effect]) {
