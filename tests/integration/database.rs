@@ -1,5 +1,6 @@
-//! The PostgreSQL store's own behaviour: clear startup errors, and a
-//! database outage answered with 503 and recovered from without a restart.
+//! The PostgreSQL store's own behaviour: clear startup errors, a database
+//! outage answered with 503 and recovered from without a restart, and
+//! connections cut while idle replaced before a request meets them.
 
 use std::time::Duration;
 
@@ -117,6 +118,50 @@ async fn a_database_outage_answers_503_and_the_server_recovers_by_itself() {
             .acquire(json!({"resource": "outage/b", "holder": "h", "ttl_ms": 60_000}))
             .await;
         assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    })
+    .await
+}
+
+#[tokio::test]
+async fn connections_cut_while_the_server_idles_are_replaced_before_a_request_meets_them() {
+    run(Store::Postgres, async {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // No reconciler pass meanwhile, to meet the cut connections first.
+        let s = Server::start_in(dir.path(), &["--reconcile-interval-ms", "3600000"]).await;
+        let held = s.acquire_ok("idle/a", "h").await;
+        let id = held["id"].as_str().expect("id");
+        let renewed = s
+            .lease_op(id, "renew", json!({"token": held["token"]}))
+            .await;
+        assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.body);
+
+        // A database restart or a proxy's idle timeout, as the pool meets it.
+        let url = database_for(dir.path()).await;
+        let name = url.rsplit('/').next().expect("name").to_owned();
+        sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1")
+            .bind(&name)
+            .execute(&mut admin().await)
+            .await
+            .expect("terminate");
+        // Idle past the time after which the server checks a pooled
+        // connection before it uses one (in use, it does not): the waiting
+        // is the condition under test.
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+
+        assert_eq!(s.lease(id).await["state"], "active", "a read");
+        let renewed = s
+            .lease_op(id, "renew", json!({"token": held["token"]}))
+            .await;
+        assert_eq!(
+            renewed.status,
+            StatusCode::OK,
+            "a renewal: {}",
+            renewed.body
+        );
+        let r = s
+            .acquire(json!({"resource": "idle/b", "holder": "h", "ttl_ms": 60_000}))
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "a write: {}", r.body);
     })
     .await
 }

@@ -1573,21 +1573,42 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
     };
     assert_eq!(renewed, one_statement.then_some(kept_no_ttl));
     // Wrong token, TTL passed, an owner or a parent to judge, ended: left to
-    // the full script, and left as they were.
-    for (id, token, before) in [
+    // the full script, and left as they were. Asked one at a time, then all
+    // at once: PostgreSQL sends a lone renewal and a group in statements of
+    // their own (`postgres/renewals.rs`), and both must refuse alike.
+    let refused = [
         ("plain", 2, if one_statement { expected } else { plain }),
         ("passed", 1, passed),
         ("owned", 1, owned),
         ("child", 1, child),
         ("gone", 1, gone),
-    ] {
+    ];
+    for (id, token, before) in &refused {
         assert_eq!(
-            renew(id, token, Some(5_000)).await.expect("renew"),
+            renew(id, *token, Some(5_000)).await.expect("renew"),
             None,
             "{id}"
         );
         let after = s.backend().get_lease(id).await.expect("get");
-        assert_eq!(after, Some(before), "{id} unchanged");
+        assert_eq!(after.as_ref(), Some(before), "{id} unchanged");
+    }
+    let before = s.backend().write_counters().round_trips.get();
+    let together = futures_util::future::join_all(
+        refused
+            .iter()
+            .map(|(id, token, _)| renew(id, *token, Some(5_000))),
+    )
+    .await;
+    let sent = s.backend().write_counters().round_trips.get() - before;
+    assert_eq!(
+        sent,
+        u64::from(one_statement),
+        "one statement for the group"
+    );
+    for ((id, _, before), answer) in refused.iter().zip(together) {
+        assert_eq!(answer.expect("renew"), None, "{id}, in a group");
+        let after = s.backend().get_lease(id).await.expect("get");
+        assert_eq!(after.as_ref(), Some(before), "{id} unchanged by a group");
     }
     s.close().await;
 }
@@ -1612,6 +1633,12 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
         ..lease("plain", "u/plain", 1)
     };
     insert_lease(&s.store, plain.clone()).await.expect("insert");
+    let other = LeaseRecord {
+        id: "other".into(),
+        resource: "u/other".into(),
+        ..plain.clone()
+    };
+    insert_lease(&s.store, other).await.expect("insert");
     let (read_tx, read_rx) = tokio::sync::oneshot::channel::<()>();
     let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
     let store = s.store.clone();
@@ -1638,6 +1665,14 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
         None,
         "not renewed between the transaction's read and its write"
     );
+    // Nor in a group (a statement of its own), whose other lease is renewed.
+    let (locked, free) = tokio::join!(
+        b.renew_unowned("plain", 1, Some(5_000), now),
+        b.renew_unowned("other", 1, Some(5_000), now),
+    );
+    assert_eq!(locked.expect("renewal"), None, "skipped in a group too");
+    let free = free.expect("renewal").expect("the unlocked lease renewed");
+    assert_eq!(free.expires_at, Some(now + 5_000));
     let _ = go_tx.send(());
     ending.await.expect("task").expect("ended");
     let renewed = b.renew_unowned("plain", 1, Some(5_000), now).await;

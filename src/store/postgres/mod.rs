@@ -61,6 +61,11 @@ pub struct PoolSettings {
 
 pub type PgStore = SqlStore<Postgres>;
 
+/// A pooled connection idle this long is pinged before it is handed out (a
+/// database restarted meanwhile has closed it); one in use is not: sqlx's
+/// default, a ping at every acquire, is a round trip more per request.
+const IDLE_PING: Duration = Duration::from_secs(1);
+
 /// `postgres://host:port/db`, without user or password, for messages.
 fn describe(opts: &PgConnectOptions) -> String {
     format!(
@@ -201,6 +206,15 @@ impl SqlStore<Postgres> {
         migrated?;
         let pool = PgPoolOptions::new()
             .after_connect(|conn, _| pipeline::install(conn))
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for >= IDLE_PING {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            })
             .max_connections(settings.max_connections.max(2))
             .acquire_timeout(settings.timeout)
             .connect_with(opts)

@@ -155,7 +155,10 @@ impl SqlStore<Sqlite> {
             .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;
         schema::migrate(&mut conn).await?;
         recover(&mut conn, boot_id, now).await?;
+        // A connection to a file cannot be cut: sqlx's check of each one
+        // before use would only cost a hop to its thread and back.
         let reads = SqlitePoolOptions::new()
+            .test_before_acquire(false)
             .max_connections(READERS)
             .min_connections(0)
             .acquire_timeout(BUSY_TIMEOUT)
