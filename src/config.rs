@@ -75,7 +75,8 @@ pub struct Config {
     #[arg(long, env = "HOLDFAST_DATABASE_URL")]
     pub database: Option<String>,
 
-    /// PostgreSQL only: connections this server opens at most.
+    /// PostgreSQL only: connections in the server's pool (it opens two more:
+    /// one to LISTEN, one for renewals).
     #[arg(long, env = "HOLDFAST_DATABASE_POOL_SIZE", default_value_t = 10,
           value_parser = clap::value_parser!(u32).range(2..=1000))]
     pub database_pool_size: u32,

@@ -64,7 +64,7 @@ pub type PgStore = SqlStore<Postgres>;
 /// A pooled connection idle this long is pinged before it is handed out (a
 /// database restarted meanwhile has closed it); one in use is not: sqlx's
 /// default, a ping at every acquire, is a round trip more per request.
-const IDLE_PING: Duration = Duration::from_secs(1);
+pub(super) const IDLE_PING: Duration = Duration::from_secs(1);
 
 /// `postgres://host:port/db`, without user or password, for messages.
 fn describe(opts: &PgConnectOptions) -> String {
