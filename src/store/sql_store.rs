@@ -31,6 +31,9 @@ pub trait RenewsPlain: Send + Sync + 'static {
         ttl_ms: Option<i64>,
         now: Millis,
     ) -> BoxFuture<'a, Result<Option<LeaseRecord>>>;
+
+    /// Close what it holds open; later renewals fail.
+    fn close(&self) -> BoxFuture<'_, ()>;
 }
 
 pub struct SqlStore<D: Db> {
@@ -199,6 +202,9 @@ impl<D: Db> Backend for SqlStore<D> {
         Box::pin(async move {
             self.writes.close().await;
             self.reads.close().await;
+            if let Some(r) = &self.renewals {
+                r.close().await;
+            }
         })
     }
 }

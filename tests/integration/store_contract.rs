@@ -1613,6 +1613,59 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
     s.close().await;
 }
 
+stores!(a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open);
+/// PostgreSQL renews on a connection of its own, kept between statements
+/// (`postgres/renewals.rs`): closing the store closes it, and no renewal
+/// opens another.
+async fn a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open() {
+    use sqlx::Connection;
+    let place = Place::new().await;
+    let Some(url) = place.url.clone() else {
+        return;
+    };
+    let s = place.open().await;
+    let now = T0 + 10_000;
+    let plain = LeaseRecord {
+        ttl_ms: Some(30_000),
+        expires_at: Some(now + 1),
+        ..lease("plain", "u/plain", 1)
+    };
+    insert_lease(&s.store, plain).await.expect("insert");
+    let renewed = s.backend().renew_unowned("plain", 1, None, now).await;
+    assert!(matches!(renewed, Ok(Some(_))), "{renewed:?}");
+    let store = s.store.clone();
+    s.close().await;
+    let after = store.backend().renew_unowned("plain", 1, None, now).await;
+    assert!(
+        matches!(after, Err(StoreError::Unavailable(_))),
+        "a renewal after close: {after:?}"
+    );
+    let name = url.rsplit('/').next().expect("name").to_owned();
+    let base = stores::postgres_base().expect("on");
+    let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
+        .await
+        .expect("connect");
+    // The server side of a closed connection ends a moment after it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND query LIKE '%ttl_ms%'",
+        )
+        .bind(&name)
+        .fetch_one(&mut admin)
+        .await
+        .expect("count");
+        if open == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{open} renewal connection(s) still open after close"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 stores!(a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it);
 /// Renewals of plain leases run outside the fleet's write lock: a write
 /// transaction that read a lease and then writes it whole must not lose a

@@ -155,6 +155,9 @@ impl Renewals {
     /// The kept connection, checked first if it idled (see `IDLE_PING`), or
     /// a new one with the pool's settings and setup.
     async fn take_line(&self) -> Result<PgConnection> {
+        if self.pool.is_closed() {
+            return Err(conn_err(&self.pool, sqlx::Error::PoolClosed));
+        }
         let kept = self
             .line
             .lock()
@@ -231,7 +234,11 @@ impl Renewals {
         // A connection that failed is not kept (a statement error leaves it
         // usable, but it is rare enough not to tell the two apart).
         let rows = rows.await.map_err(map_err)?;
-        *self.line.lock().unwrap_or_else(PoisonError::into_inner) = Some((conn, Instant::now()));
+        // Not kept past `close`, which may have run meanwhile.
+        if !self.pool.is_closed() {
+            *self.line.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some((conn, Instant::now()));
+        }
         self.counters.round_trips.inc();
         let renewed = rows.iter().map(lease_row).collect::<Result<Vec<_>>>()?;
         if !renewed.is_empty() {
@@ -270,6 +277,22 @@ impl RenewsPlain for Arc<Renewals> {
             answer
                 .await
                 .map_err(|_| StoreError::Other("the renewal was dropped".into()))?
+        })
+    }
+
+    /// After the pool (`SqlStore::close`), so that no renewal opens a new
+    /// line once this one is closed.
+    fn close(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let line = self
+                .line
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some((conn, _)) = line {
+                let closing: BoxFuture<'_, _> = Box::pin(conn.close());
+                let _ = closing.await;
+            }
         })
     }
 }
