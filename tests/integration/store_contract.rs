@@ -1520,6 +1520,15 @@ async fn retention_deletes_records_ended_before_the_cutoff_and_nothing_current()
     s.close().await;
 }
 
+/// A plain lease with token 1 on `u/<id>`, a TTL, and 1 ms left at `now`.
+fn renewable(id: &str, now: Millis) -> LeaseRecord {
+    LeaseRecord {
+        ttl_ms: Some(30_000),
+        expires_at: Some(now + 1),
+        ..lease(id, &format!("u/{id}"), 1)
+    }
+}
+
 stores!(a_plain_lease_is_renewed_in_one_statement_where_the_store_can);
 async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
     let place = Place::new().await;
@@ -1625,11 +1634,7 @@ async fn a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open() {
     };
     let s = place.open().await;
     let now = T0 + 10_000;
-    let plain = LeaseRecord {
-        ttl_ms: Some(30_000),
-        expires_at: Some(now + 1),
-        ..lease("plain", "u/plain", 1)
-    };
+    let plain = renewable("plain", now);
     insert_lease(&s.store, plain).await.expect("insert");
     let renewed = s.backend().renew_unowned("plain", 1, None, now).await;
     assert!(matches!(renewed, Ok(Some(_))), "{renewed:?}");
@@ -1680,11 +1685,7 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
     let place = Place::new().await;
     let s = place.open().await;
     let now = T0 + 10_000;
-    let plain = LeaseRecord {
-        ttl_ms: Some(30_000),
-        expires_at: Some(now + 1),
-        ..lease("plain", "u/plain", 1)
-    };
+    let plain = renewable("plain", now);
     insert_lease(&s.store, plain.clone()).await.expect("insert");
     let other = LeaseRecord {
         id: "other".into(),
@@ -1750,11 +1751,7 @@ async fn renewals_that_arrive_together_share_statements_and_each_gets_its_own_an
     let now = T0 + 10_000;
     let ids: Vec<String> = (0..40).map(|i| format!("plain-{i:02}")).collect();
     for id in &ids {
-        let l = LeaseRecord {
-            ttl_ms: Some(30_000),
-            expires_at: Some(now + 1),
-            ..lease(id, &format!("u/{id}"), 1)
-        };
+        let l = renewable(id, now);
         insert_lease(&s.store, l).await.expect("insert");
     }
     let b = s.backend();
