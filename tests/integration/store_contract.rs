@@ -1687,12 +1687,9 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
     let now = T0 + 10_000;
     let plain = renewable("plain", now);
     insert_lease(&s.store, plain.clone()).await.expect("insert");
-    let other = LeaseRecord {
-        id: "other".into(),
-        resource: "u/other".into(),
-        ..plain.clone()
-    };
-    insert_lease(&s.store, other).await.expect("insert");
+    insert_lease(&s.store, renewable("other", now))
+        .await
+        .expect("insert");
     let (read_tx, read_rx) = tokio::sync::oneshot::channel::<()>();
     let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
     let store = s.store.clone();
