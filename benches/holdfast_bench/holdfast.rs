@@ -223,7 +223,7 @@ pub async fn stop_round(api: &Api, n: usize) -> (Option<Duration>, u64) {
 /// Starts the release binary on a free port with a fresh temp data dir (or `dir`,
 /// one a server of the bench used before) and no `HOLDFAST_*` variables; returns it
 /// and its base URL.
-pub fn start_server(
+pub async fn start_server(
     database: Option<&str>,
     dir: Option<tempfile::TempDir>,
 ) -> Result<(Started, String), String> {
@@ -238,16 +238,14 @@ pub fn start_server(
             "{shown} not found: run `cargo build --release` first"
         ));
     }
-    let &[port] = process::free_ports(1)?.as_slice() else {
-        return Err("no free port".into());
-    };
     let data_dir = match dir {
         Some(dir) => dir,
         None => ctx(tempfile::TempDir::new(), "cannot create a temp dir")?,
     };
     let mut cmd = Command::new(&bin);
-    let listen = format!("127.0.0.1:{port}");
-    cmd.args(["serve", "--listen", &listen, "--data-dir"])
+    // A port of the kernel's choosing, read back from the server's log: a
+    // free port picked here first could be taken by another before it binds.
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(data_dir.path());
     if let Some(url) = database {
         cmd.args(["--database", url]);
@@ -257,8 +255,9 @@ pub fn start_server(
             cmd.env_remove(key);
         }
     }
-    let server = Started::spawn("holdfast", cmd, data_dir, "server.log", Signal::KILL)?;
-    Ok((server, format!("http://{listen}")))
+    let mut server = Started::spawn("holdfast", cmd, data_dir, "server.log", Signal::KILL)?;
+    let addr = server.logged("holdfast listening addr=").await?;
+    Ok((server, format!("http://{addr}")))
 }
 
 /// Polls GET /readyz until it answers 200 (see `process::wait_ready`).

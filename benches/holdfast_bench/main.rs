@@ -274,7 +274,7 @@ impl Bench {
                     }
                     _ => None,
                 };
-                let (server, url) = holdfast::start_server(database.as_deref(), None)?;
+                let (server, url) = holdfast::start_server(database.as_deref(), None).await?;
                 self.targets.push(Target {
                     label: store.clone(),
                     url: url.clone(),
@@ -448,7 +448,7 @@ impl Bench {
 /// that took.
 async fn start_prefilled(client: &Client, p: &Prefill) -> Result<Target, String> {
     let started = std::time::Instant::now();
-    let (mut server, url) = holdfast::start_server(None, None)?;
+    let (mut server, url) = holdfast::start_server(None, None).await?;
     let api = holdfast::Api {
         client: client.clone(),
         base: url,
@@ -460,7 +460,7 @@ async fn start_prefilled(client: &Client, p: &Prefill) -> Result<Target, String>
         .ok_or("prefill: the server's data dir is gone")?;
     let written = prefill::sqlite(dir.path(), p).await?;
     let store = prefill::store_mib(dir.path()).unwrap_or(0.0);
-    let (mut server, url) = holdfast::start_server(None, Some(dir))?;
+    let (mut server, url) = holdfast::start_server(None, Some(dir)).await?;
     let api = holdfast::Api {
         client: client.clone(),
         base: url.clone(),

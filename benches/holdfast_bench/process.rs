@@ -63,6 +63,25 @@ impl Started {
         })
     }
 
+    /// What follows `marker` on the first line of the log that has it, up to
+    /// the next space, once the process has written it; fails after 20 s or
+    /// at once if the process exits.
+    pub async fn logged(&mut self, marker: &str) -> Result<String, String> {
+        let give_up = Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let found = log.lines().find_map(|l| l.split_once(marker));
+            if let Some((_, rest)) = found {
+                return Ok(rest.split_whitespace().next().unwrap_or("").to_owned());
+            }
+            self.check_running()?;
+            if Instant::now() > give_up {
+                return Err(format!("{} did not log {marker:?} within 20 s", self.name));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// An error with the log when the process has exited.
     fn check_running(&mut self) -> Result<(), String> {
         match self.child.try_wait() {
