@@ -1619,6 +1619,27 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
         let after = s.backend().get_lease(id).await.expect("get");
         assert_eq!(after.as_ref(), Some(before), "{id} unchanged by a group");
     }
+    // And renewed in a group: a new TTL, and none (the lease's kept, or no
+    // expiry at all).
+    let at = now + 1_000;
+    let (plain, no_ttl) = tokio::join!(
+        s.backend().renew_unowned("plain", 1, Some(7_000), at),
+        s.backend().renew_unowned("no-ttl", 1, None, at),
+    );
+    let plain = plain.expect("renew");
+    let no_ttl = no_ttl.expect("renew");
+    if one_statement {
+        let plain = plain.expect("renewed in a group");
+        assert_eq!(
+            (plain.ttl_ms, plain.expires_at, plain.renewed_at),
+            (Some(7_000), Some(at + 7_000), Some(at))
+        );
+        let no_ttl = no_ttl.expect("renewed in a group");
+        assert_eq!(
+            (no_ttl.ttl_ms, no_ttl.expires_at, no_ttl.renewed_at),
+            (None, None, Some(at))
+        );
+    }
     s.close().await;
 }
 
@@ -1654,7 +1675,8 @@ async fn a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open() {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let open: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND query LIKE '%ttl_ms%'",
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = $1 AND application_name = 'holdfast-renewals'",
         )
         .bind(&name)
         .fetch_one(&mut admin)
@@ -1669,6 +1691,53 @@ async fn a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+stores!(a_renewal_connection_cut_between_renewals_is_replaced_unseen);
+/// The renewals' connection, used again within a second without a check
+/// (`postgres/renewals.rs`), is cut meanwhile: the renewal that meets it is
+/// sent again on a new one, not answered `unavailable`.
+async fn a_renewal_connection_cut_between_renewals_is_replaced_unseen() {
+    use sqlx::Connection;
+    let place = Place::new().await;
+    let Some(url) = place.url.clone() else {
+        return;
+    };
+    let s = place.open().await;
+    let now = T0 + 10_000;
+    insert_lease(&s.store, renewable("plain", now))
+        .await
+        .expect("insert");
+    let renew = || s.backend().renew_unowned("plain", 1, Some(5_000), now);
+    assert!(matches!(renew().await, Ok(Some(_))));
+    let name = url.rsplit('/').next().expect("name").to_owned();
+    let base = stores::postgres_base().expect("on");
+    let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
+        .await
+        .expect("connect");
+    let line = "SELECT pid FROM pg_stat_activity \
+                WHERE datname = $1 AND application_name = 'holdfast-renewals'";
+    let cut: Vec<i32> = sqlx::query_scalar(line)
+        .bind(&name)
+        .fetch_all(&mut admin)
+        .await
+        .expect("the line");
+    assert_eq!(cut.len(), 1, "one renewal connection");
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(cut[0])
+        .execute(&mut admin)
+        .await
+        .expect("terminate");
+    let renewed = renew().await;
+    assert!(matches!(renewed, Ok(Some(_))), "{renewed:?}");
+    let now_open: Vec<i32> = sqlx::query_scalar(line)
+        .bind(&name)
+        .fetch_all(&mut admin)
+        .await
+        .expect("the line");
+    assert_eq!(now_open.len(), 1, "one renewal connection");
+    assert_ne!(now_open, cut, "a new one");
+    s.close().await;
 }
 
 stores!(a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it);
@@ -1717,10 +1786,13 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
         "not renewed between the transaction's read and its write"
     );
     // Nor in a group (a statement of its own), whose other lease is renewed.
+    let before = b.write_counters().round_trips.get();
     let (locked, free) = tokio::join!(
         b.renew_unowned("plain", 1, Some(5_000), now),
         b.renew_unowned("other", 1, Some(5_000), now),
     );
+    let sent = b.write_counters().round_trips.get() - before;
+    assert_eq!(sent, 1, "the two renewals went in one statement");
     assert_eq!(locked.expect("renewal"), None, "skipped in a group too");
     let free = free.expect("renewal").expect("the unlocked lease renewed");
     assert_eq!(free.expires_at, Some(now + 5_000));

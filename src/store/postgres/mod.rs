@@ -61,11 +61,6 @@ pub struct PoolSettings {
 
 pub type PgStore = SqlStore<Postgres>;
 
-/// A pooled connection idle this long is pinged before it is handed out (a
-/// database restarted meanwhile has closed it); one in use is not: sqlx's
-/// default, a ping at every acquire, is a round trip more per request.
-pub(super) const IDLE_PING: Duration = Duration::from_secs(1);
-
 /// `postgres://host:port/db`, without user or password, for messages.
 fn describe(opts: &PgConnectOptions) -> String {
     format!(
@@ -206,15 +201,6 @@ impl SqlStore<Postgres> {
         migrated?;
         let pool = PgPoolOptions::new()
             .after_connect(|conn, _| pipeline::install(conn))
-            .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for >= IDLE_PING {
-                        sqlx::Connection::ping(conn).await?;
-                    }
-                    Ok(true)
-                })
-            })
             .max_connections(settings.max_connections.max(2))
             .acquire_timeout(settings.timeout)
             .connect_with(opts)
@@ -230,7 +216,11 @@ impl SqlStore<Postgres> {
         );
         tracing::info!(database = %place, "using PostgreSQL");
         let store = SqlStore::new(pool.clone(), writer);
-        let renewals = renewals::Renewals::new(pool, super::Backend::write_counters(&store));
+        let renewals = renewals::Renewals::new(
+            pool,
+            super::Backend::write_counters(&store),
+            settings.timeout,
+        );
         Ok(store.with_renewals(Arc::new(renewals)))
     }
 }

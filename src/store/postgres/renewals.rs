@@ -15,12 +15,12 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::oneshot;
 
-use super::{IDLE_PING, map_err};
+use super::map_err;
 use crate::model::LeaseRecord;
 use crate::store::counters::WriteCounters;
 use crate::store::db::conn_err;
@@ -32,6 +32,11 @@ use crate::time::Millis;
 
 /// Renewals in one statement.
 const MAX_GROUP: usize = 256;
+
+/// The renewals' connection, used again within this time of its last
+/// statement, is not checked first (the pool's are, at every use, by sqlx):
+/// a renewal that finds it cut is sent again on a new one (`send`).
+const IDLE_PING: Duration = Duration::from_secs(1);
 
 /// What a plain renewal re-checks of the row, given its token and instant.
 macro_rules! renewable {
@@ -134,17 +139,24 @@ pub struct Renewals {
     /// renewal and again after a failure: a pooled one is checked by sqlx
     /// with a round trip each time it goes back to the pool, which took a
     /// fifth of a lone client's renewals per second (C=1: 1,720 against
-    /// 2,146 on a kept connection, `scripts/bench-compare`, 3 runs).
-    line: Mutex<Option<Line>>,
+    /// 2,146 on a kept connection, `scripts/bench-compare`, 3 runs). Locked
+    /// for the whole of a send, so that `close` waits for the statement out.
+    line: tokio::sync::Mutex<Option<Line>>,
+    /// How long connecting, or checking an idle line, may take
+    /// (`--database-timeout-ms`); a statement may take three times that,
+    /// as a write batch may: past it, the line is dropped and the group
+    /// answered `unavailable`.
+    timeout: Duration,
 }
 
 impl Renewals {
-    pub fn new(pool: PgPool, counters: WriteCounters) -> Arc<Self> {
+    pub fn new(pool: PgPool, counters: WriteCounters, timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             pool,
             counters,
             state: Mutex::default(),
-            line: Mutex::default(),
+            line: tokio::sync::Mutex::default(),
+            timeout,
         })
     }
 
@@ -152,33 +164,42 @@ impl Renewals {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The kept connection, checked first if it idled (see `IDLE_PING`), or
-    /// a new one with the pool's settings and setup.
-    async fn take_line(&self) -> Result<PgConnection> {
-        if self.pool.is_closed() {
-            return Err(conn_err(&self.pool, sqlx::Error::PoolClosed));
-        }
-        let kept = self
-            .line
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+    /// `kept` if it was used within `IDLE_PING` (true: not checked) or
+    /// answers a ping in time, else a new connection.
+    async fn line(&self, kept: Option<Line>) -> Result<(PgConnection, bool)> {
         if let Some((mut conn, idle_since)) = kept {
             if idle_since.elapsed() < IDLE_PING {
-                return Ok(conn);
+                return Ok((conn, true));
             }
             let ping: BoxFuture<'_, _> = Box::pin(sqlx::Connection::ping(&mut conn));
-            if ping.await.is_ok() {
-                return Ok(conn);
+            if let Ok(Ok(())) = tokio::time::timeout(self.timeout, ping).await {
+                return Ok((conn, false));
             }
         }
-        let opts = self.pool.connect_options();
+        Ok((self.connect().await?, false))
+    }
+
+    /// A new line, with the pool's settings and setup, named apart from the
+    /// pool's connections in `pg_stat_activity`.
+    async fn connect(&self) -> Result<PgConnection> {
+        let opts = self
+            .pool
+            .connect_options()
+            .as_ref()
+            .clone()
+            .application_name("holdfast-renewals");
         let connect: BoxFuture<'_, _> = Box::pin(async move {
             let mut conn = PgConnection::connect_with(&opts).await?;
             super::pipeline::install(&mut conn).await?;
             Ok(conn)
         });
-        connect.await.map_err(|e| conn_err(&self.pool, e))
+        match tokio::time::timeout(self.timeout, connect).await {
+            Ok(connected) => connected.map_err(|e| conn_err(&self.pool, e)),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "could not connect to PostgreSQL within {:?}",
+                self.timeout
+            ))),
+        }
     }
 
     /// The next group: at most one renewal per lease (a statement applies
@@ -213,8 +234,41 @@ impl Renewals {
         }
     }
 
-    /// One statement for `group`; the leases it renewed.
+    /// One statement for `group`; the leases it renewed. A line reused
+    /// unchecked that fails (cut since its last statement, or hung) gets
+    /// one more try on a new one: a renewal applied twice at the same
+    /// instant with the same TTL leaves the lease as once.
     async fn send(&self, group: &[Renewal]) -> Result<Vec<LeaseRecord>> {
+        let mut line = self.line.lock().await;
+        if self.pool.is_closed() {
+            return Err(conn_err(&self.pool, sqlx::Error::PoolClosed));
+        }
+        let (mut conn, unchecked) = self.line(line.take()).await?;
+        let rows = match self.statement(&mut conn, group).await {
+            Err(StoreError::Unavailable(e)) if unchecked => {
+                tracing::info!(error = %e, "the renewals' connection failed; renewing on a new one");
+                conn = self.connect().await?;
+                self.statement(&mut conn, group).await?
+            }
+            rows => rows?,
+        };
+        *line = Some((conn, Instant::now()));
+        drop(line);
+        let renewed = rows.iter().map(lease_row).collect::<Result<Vec<_>>>()?;
+        if !renewed.is_empty() {
+            self.counters.ran(true, renewed.len());
+        }
+        Ok(renewed)
+    }
+
+    /// The statement of `group` on `conn`, in at most three times the
+    /// timeout. A connection that failed is not to be kept (a statement
+    /// error leaves it usable, but it is rare enough not to tell apart).
+    async fn statement(
+        &self,
+        conn: &mut PgConnection,
+        group: &[Renewal],
+    ) -> Result<Vec<sqlx::postgres::PgRow>> {
         let statement = match group {
             [r] => sqlx::query(RENEW_ONE)
                 .bind(r.id.as_str())
@@ -227,24 +281,20 @@ impl Renewals {
                 .bind(group.iter().map(|r| r.ttl_ms).collect::<Vec<_>>())
                 .bind(group.iter().map(|r| r.now).collect::<Vec<_>>()),
         };
-        let mut conn = self.take_line().await?;
         // Boxed, as `pipeline::exec` says.
         let rows: BoxFuture<'_, std::result::Result<Vec<sqlx::postgres::PgRow>, sqlx::Error>> =
-            Box::pin(statement.fetch_all(&mut conn));
-        // A connection that failed is not kept (a statement error leaves it
-        // usable, but it is rare enough not to tell the two apart).
-        let rows = rows.await.map_err(map_err)?;
-        // Not kept past `close`, which may have run meanwhile.
-        if !self.pool.is_closed() {
-            *self.line.lock().unwrap_or_else(PoisonError::into_inner) =
-                Some((conn, Instant::now()));
-        }
+            Box::pin(statement.fetch_all(conn));
+        let limit = self.timeout.saturating_mul(3);
+        let rows = match tokio::time::timeout(limit, rows).await {
+            Ok(rows) => rows.map_err(map_err)?,
+            Err(_) => {
+                return Err(StoreError::Unavailable(format!(
+                    "a renewal statement did not finish within {limit:?}"
+                )));
+            }
+        };
         self.counters.round_trips.inc();
-        let renewed = rows.iter().map(lease_row).collect::<Result<Vec<_>>>()?;
-        if !renewed.is_empty() {
-            self.counters.ran(true, renewed.len());
-        }
-        Ok(renewed)
+        Ok(rows)
     }
 }
 
@@ -281,17 +331,12 @@ impl RenewsPlain for Arc<Renewals> {
     }
 
     /// After the pool (`SqlStore::close`), so that no renewal opens a new
-    /// line once this one is closed.
+    /// line once this one is closed; waits for a statement out.
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            let line = self
-                .line
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
-            if let Some((conn, _)) = line {
+            if let Some((conn, _)) = self.line.lock().await.take() {
                 let closing: BoxFuture<'_, _> = Box::pin(conn.close());
-                let _ = closing.await;
+                let _ = tokio::time::timeout(self.timeout, closing).await;
             }
         })
     }
