@@ -1643,22 +1643,58 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
     s.close().await;
 }
 
-stores!(a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open);
-/// PostgreSQL renews on a connection of its own, kept between statements
-/// (`postgres/renewals.rs`): closing the store closes it, and no renewal
-/// opens another.
-async fn a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open() {
-    use sqlx::Connection;
-    let place = Place::new().await;
-    let Some(url) = place.url.clone() else {
-        return;
-    };
+/// The sessions of the PostgreSQL renewals' own connection to the database
+/// at `url` (`postgres/renewals.rs`), seen from an admin connection.
+struct RenewalLines {
+    admin: sqlx::PgConnection,
+    database: String,
+}
+
+impl RenewalLines {
+    async fn new(url: &str) -> Self {
+        use sqlx::Connection;
+        let base = stores::postgres_base().expect("on");
+        let admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
+            .await
+            .expect("connect");
+        let database = url.rsplit('/').next().expect("name").to_owned();
+        Self { admin, database }
+    }
+
+    async fn pids(&mut self) -> Vec<i32> {
+        sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity \
+             WHERE datname = $1 AND application_name = 'holdfast-renewals'",
+        )
+        .bind(&self.database)
+        .fetch_all(&mut self.admin)
+        .await
+        .expect("the renewals' sessions")
+    }
+}
+
+/// On PostgreSQL: a store with a plain lease `plain` (token 1) renewed
+/// once, and its renewals' sessions.
+async fn renewed_once(place: &Place, now: Millis) -> Option<(Opened, RenewalLines)> {
+    let url = place.url.clone()?;
     let s = place.open().await;
-    let now = T0 + 10_000;
-    let plain = renewable("plain", now);
-    insert_lease(&s.store, plain).await.expect("insert");
+    insert_lease(&s.store, renewable("plain", now))
+        .await
+        .expect("insert");
     let renewed = s.backend().renew_unowned("plain", 1, None, now).await;
     assert!(matches!(renewed, Ok(Some(_))), "{renewed:?}");
+    Some((s, RenewalLines::new(&url).await))
+}
+
+stores!(a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open);
+/// PostgreSQL renews on a connection of its own, kept between statements:
+/// closing the store closes it, and no renewal opens another.
+async fn a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open() {
+    let place = Place::new().await;
+    let now = T0 + 10_000;
+    let Some((s, mut lines)) = renewed_once(&place, now).await else {
+        return;
+    };
     let store = s.store.clone();
     s.close().await;
     let after = store.backend().renew_unowned("plain", 1, None, now).await;
@@ -1666,75 +1702,44 @@ async fn a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open() {
         matches!(after, Err(StoreError::Unavailable(_))),
         "a renewal after close: {after:?}"
     );
-    let name = url.rsplit('/').next().expect("name").to_owned();
-    let base = stores::postgres_base().expect("on");
-    let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
-        .await
-        .expect("connect");
     // The server side of a closed connection ends a moment after it.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let open: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = $1 AND application_name = 'holdfast-renewals'",
-        )
-        .bind(&name)
-        .fetch_one(&mut admin)
-        .await
-        .expect("count");
-        if open == 0 {
+        let open = lines.pids().await;
+        if open.is_empty() {
             break;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "{open} renewal connection(s) still open after close"
+            "renewal connection(s) {open:?} still open after close"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
 stores!(a_renewal_connection_cut_between_renewals_is_replaced_unseen);
-/// The renewals' connection, used again within a second without a check
-/// (`postgres/renewals.rs`), is cut meanwhile: the renewal that meets it is
-/// sent again on a new one, not answered `unavailable`.
+/// The renewals' connection, used again within a second without a check,
+/// is cut meanwhile: the renewal that meets it is sent again on a new one,
+/// not answered `unavailable`.
 async fn a_renewal_connection_cut_between_renewals_is_replaced_unseen() {
-    use sqlx::Connection;
     let place = Place::new().await;
-    let Some(url) = place.url.clone() else {
+    let now = T0 + 10_000;
+    let Some((s, mut lines)) = renewed_once(&place, now).await else {
         return;
     };
-    let s = place.open().await;
-    let now = T0 + 10_000;
-    insert_lease(&s.store, renewable("plain", now))
-        .await
-        .expect("insert");
-    let renew = || s.backend().renew_unowned("plain", 1, Some(5_000), now);
-    assert!(matches!(renew().await, Ok(Some(_))));
-    let name = url.rsplit('/').next().expect("name").to_owned();
-    let base = stores::postgres_base().expect("on");
-    let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
-        .await
-        .expect("connect");
-    let line = "SELECT pid FROM pg_stat_activity \
-                WHERE datname = $1 AND application_name = 'holdfast-renewals'";
-    let cut: Vec<i32> = sqlx::query_scalar(line)
-        .bind(&name)
-        .fetch_all(&mut admin)
-        .await
-        .expect("the line");
+    let cut = lines.pids().await;
     assert_eq!(cut.len(), 1, "one renewal connection");
     sqlx::query("SELECT pg_terminate_backend($1)")
         .bind(cut[0])
-        .execute(&mut admin)
+        .execute(&mut lines.admin)
         .await
         .expect("terminate");
-    let renewed = renew().await;
+    let renewed = s
+        .backend()
+        .renew_unowned("plain", 1, Some(5_000), now)
+        .await;
     assert!(matches!(renewed, Ok(Some(_))), "{renewed:?}");
-    let now_open: Vec<i32> = sqlx::query_scalar(line)
-        .bind(&name)
-        .fetch_all(&mut admin)
-        .await
-        .expect("the line");
+    let now_open = lines.pids().await;
     assert_eq!(now_open.len(), 1, "one renewal connection");
     assert_ne!(now_open, cut, "a new one");
     s.close().await;
