@@ -410,7 +410,7 @@ impl IntoResponse for ApiError {
                     StatusCode::SERVICE_UNAVAILABLE,
                     Code::Unavailable,
                     "Store unavailable",
-                    "the store cannot be written".into(),
+                    "the store cannot be read or written now (database down, disk full or read-only); retry later".into(),
                 )
             }
             Self::Internal(d) => {
