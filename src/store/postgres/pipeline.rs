@@ -86,13 +86,11 @@ const PREPARED: [(&str, &str); 2] = [
     ("holdfast_current_locked", CURRENT_LOCKED),
 ];
 
-/// Create the functions (this one and the renewals') and prepare
-/// `PREPARED` on a new connection.
+/// Create the function and prepare `PREPARED` on a new connection.
 pub fn install(conn: &mut PgConnection) -> BoxFuture<'_, std::result::Result<(), sqlx::Error>> {
     Box::pin(async move {
         let prepare = PREPARED.map(|(name, sql)| format!("PREPARE {name} AS {sql}"));
         sqlx::Executor::execute(&mut *conn, FUNCTION).await?;
-        sqlx::Executor::execute(&mut *conn, super::renewals::FUNCTION).await?;
         sqlx::Executor::execute(conn, prepare.join("; ").as_str()).await?;
         Ok(())
     })

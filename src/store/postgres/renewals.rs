@@ -59,8 +59,8 @@ macro_rules! renewable {
 /// waited for: that transaction may wait in turn for another row this one
 /// locked (a deadlock, broken only after a second, with the fleet lock
 /// held meanwhile). Its renewal is then None, and the caller renews it in
-/// a transaction, after that one. A temporary function, created on every
-/// connection (`pipeline::install`).
+/// a transaction, after that one. A temporary function, created on the
+/// renewals' own connection (`Renewals::connect`), the only one to call it.
 ///
 /// One statement per lease, because PostgreSQL keeps its plan: the
 /// statement over the arrays (`UPDATE … FROM unnest($1, …)`) was planned
@@ -70,7 +70,7 @@ macro_rules! renewable {
 /// bench renew after churn). Its locking read ran as a MATERIALIZED CTE:
 /// as a subquery on a young table whose statistics still said it was small,
 /// it had been run once per renewal of the group (40 renewals, 190 ms).
-pub(super) const FUNCTION: &str = concat!(
+const FUNCTION: &str = concat!(
     "CREATE OR REPLACE FUNCTION pg_temp.holdfast_renew(
         ids text[], tokens bigint[], ttls bigint[], nows bigint[])
         RETURNS SETOF leases LANGUAGE plpgsql AS $fn$
@@ -171,7 +171,7 @@ impl Renewals {
             if idle_since.elapsed() < IDLE_PING {
                 return Ok((conn, true));
             }
-            let ping: BoxFuture<'_, _> = Box::pin(sqlx::Connection::ping(&mut conn));
+            let ping: BoxFuture<'_, _> = Box::pin(conn.ping());
             if let Ok(Ok(())) = tokio::time::timeout(self.timeout, ping).await {
                 return Ok((conn, false));
             }
@@ -179,8 +179,9 @@ impl Renewals {
         Ok((self.connect().await?, false))
     }
 
-    /// A new line, with the pool's settings and setup, named apart from the
-    /// pool's connections in `pg_stat_activity`.
+    /// A new line, with the pool's settings and this module's function (not
+    /// the pool's setup, which only write transactions use), named apart
+    /// from the pool's connections in `pg_stat_activity`.
     async fn connect(&self) -> Result<PgConnection> {
         let opts = self
             .pool
@@ -190,7 +191,7 @@ impl Renewals {
             .application_name("holdfast-renewals");
         let connect: BoxFuture<'_, _> = Box::pin(async move {
             let mut conn = PgConnection::connect_with(&opts).await?;
-            super::pipeline::install(&mut conn).await?;
+            sqlx::Executor::execute(&mut conn, FUNCTION).await?;
             Ok(conn)
         });
         match tokio::time::timeout(self.timeout, connect).await {
