@@ -25,10 +25,12 @@
 //!   written once (`rows/`, column lists and filters in `sql.rs`). What the
 //!   databases differ in is the `Db` trait (`db.rs`), implemented in
 //!   `sqlite/` and `postgres/`, each with its own writer behind the shared
-//!   group commit (`group.rs`) and a pipeline that queues the hot writes of
-//!   a transaction (`*/pipeline.rs`, see docs/development.md); PostgreSQL
-//!   renews plain leases outside its writer (`postgres/renewals.rs`);
-//!   migrations in `migrate.rs`.
+//!   group commit (`group.rs`): SQLite's runs its statements on the
+//!   batch's own task through rusqlite (`sqlite/direct.rs`), PostgreSQL's
+//!   queues the hot writes of a transaction for its commit
+//!   (`postgres/pipeline.rs`, see docs/development.md); PostgreSQL renews
+//!   plain leases outside its writer (`postgres/renewals.rs`); migrations
+//!   in `migrate.rs`.
 //! - `host/`: this machine: identities from /proc, pidfd signals, spawning,
 //!   behind the `Host` trait. `model/`: records and the contract's names.
 //!

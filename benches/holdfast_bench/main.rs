@@ -78,7 +78,7 @@
 //! spawn cycle, 1 per renewal) per durable commit, from the change of
 //! `holdfast_store_commits_total{sync="full"}` in GET /metrics over the run (`-` when
 //! the server does not export it), then `rt/op X.X`: the sends of write statements
-//! per request, to PostgreSQL or to SQLite's thread (`holdfast_store_round_trips_total`).
+//! to PostgreSQL per request (`holdfast_store_round_trips_total`; 0 on SQLite).
 //! When the bench starts the servers, they share with it the CPUs that `nproc` reports in the header. Ctrl-C or SIGTERM stops the run and
 //! everything the bench started.
 

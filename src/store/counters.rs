@@ -18,8 +18,8 @@ pub struct SyncLabel {
 pub struct WriteCounters {
     pub commits: Family<SyncLabel, Counter>,
     pub jobs: Counter,
-    /// Sends of write statements to the database (PostgreSQL's server,
-    /// SQLite's thread), each a round trip.
+    /// Sends of write statements to PostgreSQL's server, each a round
+    /// trip (SQLite's writer runs in the server's own thread: none).
     pub round_trips: Counter,
     full: Counter,
     normal: Counter,

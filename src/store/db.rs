@@ -95,8 +95,9 @@ fn null_column(i: usize) -> StoreError {
     StoreError::Other(format!("column {i} is null where a value is required"))
 }
 
-/// Where the shared statements run: a connection of either database, or
-/// SQLite's writer, which defers what it may (see `sqlite::pipeline`).
+/// Where the shared statements run: a connection of either database,
+/// SQLite's writer (`sqlite::direct`), or PostgreSQL's, which defers what
+/// it may (see `postgres::pipeline`).
 pub trait Exec: Send {
     type Row: Cols + Send;
     fn fetch<'a>(&'a mut self, s: Stmt<'a>) -> BoxFuture<'a, Result<Vec<Self::Row>>>;

@@ -8,6 +8,7 @@
 //! way is finished on a task of its own (`Inline`'s drop).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::{OwnedMutexGuard, oneshot};
@@ -31,6 +32,13 @@ pub trait Batches: Send + Sync + 'static {
     /// Run and answer `batch`; the jobs it did not run, to be queued again
     /// in front of the others.
     fn run(&self, batch: Vec<Job>) -> BoxFuture<'_, Vec<Job>>;
+    /// A batch runs without waiting on anything (SQLite's, in place), so
+    /// jobs cannot queue while one runs: when the last batch carried
+    /// several, the leader lets the requests that are ready on its thread
+    /// queue theirs before it takes the next. (Without that, renewals at
+    /// C=64 went four times as many to a commit, 2 a piece instead of 8,
+    /// and 15% fewer per second.)
+    const GATHERS: bool = false;
     /// Release what the batches use, once the last one has run.
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(std::future::ready(()))
@@ -52,6 +60,8 @@ pub struct GroupCommit<B> {
     lead: Arc<tokio::sync::Mutex<()>>,
     pub batches: B,
     counters: WriteCounters,
+    /// Jobs in the last batch run (see `Batches::GATHERS`).
+    last_batch: AtomicUsize,
 }
 
 /// Answer every job with `e`.
@@ -69,6 +79,7 @@ impl<B: Batches> GroupCommit<B> {
             lead: Arc::default(),
             batches,
             counters,
+            last_batch: AtomicUsize::new(0),
         })
     }
 
@@ -120,6 +131,14 @@ impl<B: Batches> GroupCommit<B> {
         std::mem::forget(unwinding);
     }
 
+    /// Let the jobs of requests under way join the next batch (see
+    /// `Batches::GATHERS`).
+    async fn gather(&self) {
+        if B::GATHERS && self.last_batch.load(Ordering::Relaxed) > 1 {
+            tokio::task::yield_now().await;
+        }
+    }
+
     /// Up to `MAX_BATCH` queued jobs; None, with `leading` cleared under
     /// the same lock, when there are none: a job queued after that starts
     /// a leader of its own.
@@ -136,6 +155,7 @@ impl<B: Batches> GroupCommit<B> {
     /// Run `batch`, count it, and queue again in front what it did not run.
     async fn run_batch(&self, batch: Vec<Job>) {
         let (n, durable) = (batch.len(), batch.iter().any(|j| j.durable));
+        self.last_batch.store(n, Ordering::Relaxed);
         let left = self.batches.run(batch).await;
         if left.len() < n {
             self.counters.ran(durable, n - left.len());
@@ -148,7 +168,11 @@ impl<B: Batches> GroupCommit<B> {
 
     /// Run batches until the queue is empty; the caller holds `lead`.
     async fn drain(&self) {
-        while let Some(batch) = self.take_batch() {
+        loop {
+            self.gather().await;
+            let Some(batch) = self.take_batch() else {
+                break;
+            };
             self.run_batch(batch).await;
         }
     }
@@ -176,6 +200,7 @@ impl<B: Batches> Inline<B> {
             let Some(guard) = self.idle.take() else {
                 return;
             };
+            self.me.gather().await;
             let Some(batch) = self.me.take_batch() else {
                 self.done = true;
                 return;
@@ -390,5 +415,38 @@ mod tests {
             tasks[1].is_some_and(|t| t != first_id && t != second_id),
             "the second batch ran on a leader task: {tasks:?}"
         );
+    }
+
+    /// `Gated` for a store whose batches run without waiting (`GATHERS`).
+    struct Gathering(Arc<Gated>);
+
+    impl Batches for Gathering {
+        const GATHERS: bool = true;
+
+        fn run(&self, batch: Vec<Job>) -> BoxFuture<'_, Vec<Job>> {
+            self.0.run(batch)
+        }
+    }
+
+    /// Two writes ready at once on one thread, after a batch of `last`
+    /// jobs: the sizes of the batches they went in.
+    async fn two_at_once(last: usize) -> (usize, usize) {
+        let batches = Arc::new(Gated::default());
+        batches.gate.add_permits(10);
+        let g = GroupCommit::new(Gathering(batches), WriteCounters::default());
+        g.last_batch.store(last, Ordering::Relaxed);
+        let size = |g: Arc<GroupCommit<Gathering>>| async move {
+            let out = g.write(true, job()).await.expect("answered");
+            *out.downcast::<usize>().expect("usize")
+        };
+        let a = tokio::spawn(size(g.clone()));
+        let b = tokio::spawn(size(g.clone()));
+        (a.await.expect("a"), b.await.expect("b"))
+    }
+
+    #[tokio::test]
+    async fn after_a_shared_batch_the_leader_lets_ready_requests_join_its_batch() {
+        assert_eq!(two_at_once(2).await, (2, 2), "one batch");
+        assert_eq!(two_at_once(1).await, (1, 1), "alone, it runs at once");
     }
 }

@@ -1,10 +1,9 @@
 //! The embedded SQLite store (WAL, `synchronous=FULL`), through sqlx with
 //! the bundled SQLite. One connection runs every mutation with group commit
-//! (see `writer`); reads use a pool of read-only WAL connections and never
-//! wait behind writes.
+//! (see `writer`), through rusqlite (see `direct`); reads use a pool of
+//! read-only WAL connections and never wait behind writes.
 
-mod hot;
-mod pipeline;
+mod direct;
 mod schema;
 mod writer;
 
@@ -98,7 +97,7 @@ impl Exec for SqliteConnection {
         Box::pin(async move { vanished(&what, changed(self, s).await?, 1) })
     }
 
-    /// Outside the writer (which counts seqs itself, see `pipeline`).
+    /// Outside the writer (which counts seqs itself, see `direct`).
     fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
             let seq = last_event_seq(self).await? + 1;
@@ -143,18 +142,18 @@ impl SqlStore<Sqlite> {
         now: Millis,
         listener: Arc<dyn CommitListener>,
     ) -> Result<Self> {
-        let writer_opts = options(path)
+        let setup_opts = options(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            // The pipeline's sends of lone requests come in a few hundred
-            // combinations of statements, each one prepared query.
-            .statement_cache_capacity(1024);
-        let mut conn = SqliteConnection::connect_with(&writer_opts)
+            .synchronous(SqliteSynchronous::Full);
+        let mut conn = SqliteConnection::connect_with(&setup_opts)
             .await
             .map_err(|e| StoreError::Unavailable(format!("opening {}: {e}", path.display())))?;
         schema::migrate(&mut conn).await?;
         recover(&mut conn, boot_id, now).await?;
+        let seq = last_event_seq(&mut conn).await?;
+        conn.close().await.map_err(map_err)?;
+        let writer = direct::Direct::open(path, BUSY_TIMEOUT, seq)?;
         // A connection to a file cannot be cut: sqlx's check of each one
         // before use would only cost a hop to its thread and back.
         let reads = SqlitePoolOptions::new()
@@ -163,7 +162,7 @@ impl SqlStore<Sqlite> {
             .min_connections(0)
             .acquire_timeout(BUSY_TIMEOUT)
             .connect_lazy_with(options(path).read_only(true));
-        Ok(SqlStore::new(reads, writer::start(conn, listener).await?))
+        Ok(SqlStore::new(reads, writer::start(writer, listener)))
     }
 }
 
