@@ -60,10 +60,15 @@ fn serve(config: Config) -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    // A batch of SQLite writes holds its runtime thread through its fsync
+    // (see store/sqlite/direct.rs): on one CPU (a container's quota, an
+    // affinity mask) a second thread serves requests meanwhile.
+    if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        runtime.worker_threads(cpus.max(2));
+    }
+    let runtime = match runtime.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("holdfast: cannot start the runtime: {e}");

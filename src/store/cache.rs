@@ -45,6 +45,15 @@ impl Cache {
         self.leases.get(id).cloned()
     }
 
+    /// Whether `l` differs from the lease as known in its TTL, expiry and
+    /// renewal time alone (false when the lease is not known).
+    pub fn is_renewal(&self, l: &LeaseRecord) -> bool {
+        self.leases.get(&l.id).is_some_and(|k| {
+            (&k.state, &k.owner, k.ended_at, &k.end_reason)
+                == (&l.state, &l.owner, l.ended_at, &l.end_reason)
+        })
+    }
+
     /// Some(the current lease of `resource`, or None) when known.
     pub fn current_lease(&self, resource: &str) -> Option<Option<LeaseRecord>> {
         match self.current.get(resource)? {
@@ -130,6 +139,31 @@ mod tests {
     use crate::model::{LeaseState, PortOwner, TokenRef};
 
     use crate::tx::fixture::lease_record as lease;
+
+    #[test]
+    fn a_renewal_is_a_change_of_ttl_expiry_and_renewal_time_alone() {
+        let mut c = Cache::default();
+        let known = lease("a", "r", LeaseState::Active);
+        let mut renewed = known.clone();
+        (renewed.ttl_ms, renewed.expires_at, renewed.renewed_at) = (Some(9), Some(9), Some(9));
+        assert!(!c.is_renewal(&renewed), "an unknown lease");
+        c.saw_lease(&known);
+        assert!(c.is_renewal(&renewed));
+        let mut ended = renewed.clone();
+        ended.state = LeaseState::Released;
+        assert!(!c.is_renewal(&ended));
+        let mut reason = renewed.clone();
+        reason.end_reason = Some("x".into());
+        assert!(!c.is_renewal(&reason));
+        let mut activated = renewed;
+        activated.state = LeaseState::Reserved;
+        c.saw_lease(&activated);
+        activated.state = LeaseState::Active;
+        assert!(
+            !c.is_renewal(&activated),
+            "a state change with a new expiry"
+        );
+    }
 
     #[test]
     fn a_lease_that_ends_leaves_its_resource_known_free() {

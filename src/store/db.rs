@@ -142,6 +142,10 @@ pub enum Hot {
     LeaseInsert,
     /// `rows::UPDATE_LEASE`.
     LeaseUpdate,
+    /// `rows::UPDATE_LEASE` of a lease whose TTL, expiry and renewal time
+    /// alone change: a store may write those columns only
+    /// (`rows::RENEW_LEASE`).
+    LeaseRenewal,
     /// `rows::SET_TOKEN`.
     Token,
 }

@@ -102,7 +102,8 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
 
     fn update_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
-            rows::update_lease(self.conn, lease).await?;
+            let renewal = self.cache.as_deref().is_some_and(|c| c.is_renewal(lease));
+            rows::update_lease(self.conn, lease, renewal).await?;
             if let Some(cache) = self.cache.as_deref_mut() {
                 cache.saw_lease(lease);
             }

@@ -446,7 +446,7 @@ impl Exec for Pipeline<'_> {
         let row = json_row(s);
         match hot {
             Hot::LeaseInsert => self.queue_insert(row),
-            Hot::LeaseUpdate => self.queue_update(row),
+            Hot::LeaseUpdate | Hot::LeaseRenewal => self.queue_update(row),
             Hot::Token => self.queue_token(row),
         }
         Box::pin(async { Ok(()) })

@@ -152,6 +152,13 @@ pub const INSERT_LEASE: &str = concat!(
 pub const UPDATE_LEASE: &str = "UPDATE leases SET state = $2, owner = $3, ttl_ms = $4, \
      expires_at = $5, renewed_at = $6, ended_at = $7, end_reason = $8 WHERE id = $1";
 
+/// `UPDATE_LEASE` of the columns a renewal changes, with the same
+/// parameters: SQLite rewrites the entries of every index whose columns
+/// (or whose `WHERE`'s) an UPDATE sets, changed or not, and a renewal
+/// changes one index (the current leases' expiry) of the five.
+pub const RENEW_LEASE: &str =
+    "UPDATE leases SET ttl_ms = $4, expires_at = $5, renewed_at = $6 WHERE id = $1";
+
 /// Where each value of an `UPDATE_LEASE` row goes in an `INSERT_LEASE` row.
 pub const UPDATE_INTO_INSERT: [usize; 8] = [0, 4, 5, 9, 10, 12, 13, 14];
 
@@ -194,10 +201,19 @@ pub async fn insert_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Resul
         .await
 }
 
-pub async fn update_lease<E: Exec + ?Sized>(c: &mut E, l: &LeaseRecord) -> Result<()> {
+/// Write `l`; `renewal` when only its TTL, expiry and renewal time change.
+pub async fn update_lease<E: Exec + ?Sized>(
+    c: &mut E,
+    l: &LeaseRecord,
+    renewal: bool,
+) -> Result<()> {
     let what = format!("lease {}", l.id);
-    c.execute_hot(Hot::LeaseUpdate, update_lease_stmt(l)?, Some(what))
-        .await
+    let hot = if renewal {
+        Hot::LeaseRenewal
+    } else {
+        Hot::LeaseUpdate
+    };
+    c.execute_hot(hot, update_lease_stmt(l)?, Some(what)).await
 }
 
 pub async fn list_leases<E: Exec + ?Sized>(c: &mut E, f: &LeaseFilter) -> Result<Vec<LeaseRecord>> {

@@ -13,7 +13,8 @@ use std::time::Duration;
 use rusqlite::types::Value;
 use rusqlite::{Connection, OpenFlags};
 
-use crate::store::db::{Arg, Cols, Exec, Stmt, vanished};
+use crate::store::db::{Arg, Cols, Exec, Hot, Stmt, vanished};
+use crate::store::rows::RENEW_LEASE;
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
@@ -180,6 +181,25 @@ impl Exec for Direct {
 
     fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>> {
         Box::pin(std::future::ready(Ok(self.seq)))
+    }
+
+    fn execute_hot<'a>(
+        &'a mut self,
+        hot: Hot,
+        s: Stmt<'a>,
+        what: Option<String>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let s = match hot {
+            Hot::LeaseRenewal => Stmt {
+                sql: RENEW_LEASE,
+                args: s.args,
+            },
+            Hot::LeaseUpdate | Hot::LeaseInsert | Hot::Token => s,
+        };
+        match what {
+            Some(what) => self.execute_one(s, what),
+            None => self.execute(s),
+        }
     }
 }
 
