@@ -120,7 +120,8 @@ pub trait Exec: Send {
     }
 
     /// As `execute`, or `execute_one` with `what`, for a write of kind
-    /// `hot`, which SQLite's writer sends grouped with others of its kind.
+    /// `hot`, which PostgreSQL's writer sends grouped with others of its
+    /// kind, and SQLite's may narrow (`Hot::LeaseRenewal`).
     fn execute_hot<'a>(
         &'a mut self,
         hot: Hot,
@@ -128,6 +129,15 @@ pub trait Exec: Send {
         what: Option<String>,
     ) -> BoxFuture<'a, Result<()>> {
         let _ = hot;
+        self.execute_checked(s, what)
+    }
+
+    /// `execute_one` with `what`, else `execute`.
+    fn execute_checked<'a>(
+        &'a mut self,
+        s: Stmt<'a>,
+        what: Option<String>,
+    ) -> BoxFuture<'a, Result<()>> {
         match what {
             Some(what) => self.execute_one(s, what),
             None => self.execute(s),

@@ -196,10 +196,7 @@ impl Exec for Direct {
             },
             Hot::LeaseUpdate | Hot::LeaseInsert | Hot::Token => s,
         };
-        match what {
-            Some(what) => self.execute_one(s, what),
-            None => self.execute(s),
-        }
+        self.execute_checked(s, what)
     }
 }
 
