@@ -132,10 +132,14 @@ impl<B: Batches> GroupCommit<B> {
     }
 
     /// Let the jobs of requests under way join the next batch (see
-    /// `Batches::GATHERS`).
+    /// `Batches::GATHERS`): those ready on this runtime thread, then, on a
+    /// CPU that two runtime threads share, the other thread's. (Renewals at
+    /// C=64 on one CPU: 2 jobs a commit without the thread's yield, 15%
+    /// fewer per second than sqlx's writer thread; 5% fewer with it.)
     async fn gather(&self) {
         if B::GATHERS && self.last_batch.load(Ordering::Relaxed) > 1 {
             tokio::task::yield_now().await;
+            std::thread::yield_now();
         }
     }
 
