@@ -8,6 +8,11 @@ use crate::time::Millis;
 /// Appends an event under a seq its writer chose: `$1` seq, `$2` at, `$3` body.
 pub const INSERT_EVENT: &str = "INSERT INTO events (seq, at, body) VALUES ($1, $2, $3)";
 
+/// `INSERT_EVENT` of one event.
+pub fn insert_event(seq: i64, at: Millis, body: &str) -> Stmt<'_> {
+    Stmt::new(INSERT_EVENT).int(seq).int(at).text(body)
+}
+
 pub async fn events<E: Exec + ?Sized>(c: &mut E, after: i64, limit: u32) -> Result<Vec<EventRow>> {
     let s = Stmt::new("SELECT seq, body FROM events WHERE seq > $1 ORDER BY seq LIMIT $2")
         .int(after)

@@ -14,7 +14,7 @@ use rusqlite::types::Value;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::store::db::{Arg, Cols, Exec, Hot, Stmt, vanished};
-use crate::store::rows::RENEW_LEASE;
+use crate::store::rows::{RENEW_LEASE, insert_event};
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
@@ -31,17 +31,9 @@ pub struct Direct {
 /// A row, read out of its statement.
 pub struct Row(Vec<Value>);
 
-/// SQLite's primary result codes (the low byte of an extended code), as
-/// `super::map_err` maps them for sqlx's connections.
 fn map_err(e: rusqlite::Error) -> StoreError {
     match &e {
-        rusqlite::Error::SqliteFailure(f, _) => match f.extended_code & 0xff {
-            // BUSY, LOCKED
-            5 | 6 => StoreError::Busy,
-            // PERM, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB
-            3 | 8 | 10 | 11 | 13 | 14 | 26 => StoreError::Unavailable(e.to_string()),
-            _ => StoreError::Other(e.to_string()),
-        },
+        rusqlite::Error::SqliteFailure(f, _) => super::by_code(f.extended_code, &e),
         _ => StoreError::Other(e.to_string()),
     }
 }
@@ -168,11 +160,7 @@ impl Exec for Direct {
 
     fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
         let seq = self.seq + 1;
-        let s = Stmt::new(crate::store::rows::INSERT_EVENT)
-            .int(seq)
-            .int(at)
-            .text(body);
-        let done = self.run(s).map(|_| {
+        let done = self.run(insert_event(seq, at, body)).map(|_| {
             self.seq = seq;
             seq
         });

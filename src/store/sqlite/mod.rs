@@ -26,18 +26,23 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub type SqliteStore = SqlStore<Sqlite>;
 
-/// SQLite's primary result codes (the low byte of an extended code).
+/// An error SQLite answered with result `code`, by its primary code (the
+/// low byte of an extended one), for sqlx's connections and the writer's.
+fn by_code(code: i32, e: &dyn std::fmt::Display) -> StoreError {
+    match code & 0xff {
+        // BUSY, LOCKED
+        5 | 6 => StoreError::Busy,
+        // PERM, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB
+        3 | 8 | 10 | 11 | 13 | 14 | 26 => StoreError::Unavailable(e.to_string()),
+        _ => StoreError::Other(e.to_string()),
+    }
+}
+
 fn map_err(e: sqlx::Error) -> StoreError {
     match &e {
         sqlx::Error::Database(db) => {
             let code: i32 = db.code().and_then(|c| c.parse().ok()).unwrap_or(0);
-            match code & 0xff {
-                // BUSY, LOCKED
-                5 | 6 => StoreError::Busy,
-                // PERM, READONLY, IOERR, CORRUPT, FULL, CANTOPEN, NOTADB
-                3 | 8 | 10 | 11 | 13 | 14 | 26 => StoreError::Unavailable(e.to_string()),
-                _ => StoreError::Other(e.to_string()),
-            }
+            by_code(code, &e)
         }
         sqlx::Error::PoolTimedOut => StoreError::Busy,
         sqlx::Error::Io(_) | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed => {
@@ -101,11 +106,8 @@ impl Exec for SqliteConnection {
     fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
         Box::pin(async move {
             let seq = last_event_seq(self).await? + 1;
-            let s = Stmt::new(super::rows::INSERT_EVENT)
-                .int(seq)
-                .int(at)
-                .text(body);
-            self.execute(s).await?;
+            self.execute(super::rows::insert_event(seq, at, body))
+                .await?;
             Ok(seq)
         })
     }

@@ -83,6 +83,17 @@ impl Batches for Writer {
 type Reply = tokio::sync::oneshot::Sender<Result<JobOutput>>;
 
 impl Conn {
+    /// Set the connection's `synchronous` level to FULL (`full`) or
+    /// NORMAL, unless it is known to be so already.
+    fn sync_level(&mut self, full: bool) -> Result<()> {
+        if self.full_sync != Some(full) {
+            self.full_sync = None;
+            self.db.batch(sync_pragma(full))?;
+            self.full_sync = Some(full);
+        }
+        Ok(())
+    }
+
     /// Undo the open transaction (if SQLite has not already) and what it
     /// taught the cache; `seq` is the last event seq kept.
     fn abandon(&mut self, seq: i64) {
@@ -109,15 +120,7 @@ impl Writer {
             c.abandon(start);
         }
         let durable = batch.iter().any(|j| j.durable);
-        if c.full_sync != Some(durable) {
-            c.full_sync = None;
-            if let Err(e) = c.db.batch(sync_pragma(durable)) {
-                fail(batch.into_iter().map(|j| j.reply), &e);
-                return Vec::new();
-            }
-            c.full_sync = Some(durable);
-        }
-        if let Err(e) = c.db.batch(BEGIN) {
+        if let Err(e) = c.sync_level(durable).and_then(|()| c.db.batch(BEGIN)) {
             fail(batch.into_iter().map(|j| j.reply), &e);
             return Vec::new();
         }
@@ -223,9 +226,7 @@ async fn run_job(c: &mut Conn, run: JobFn, single: bool) -> Result<Ran> {
 }
 
 async fn sync_wal(c: &mut Conn) -> Result<()> {
-    c.full_sync = None;
-    c.db.batch(sync_pragma(true))?;
-    c.full_sync = Some(true);
+    c.sync_level(true)?;
     let now = crate::time::now_ms().to_string();
     let seq = c.db.seq;
     let done = match c.db.batch(BEGIN) {
