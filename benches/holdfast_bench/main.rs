@@ -42,6 +42,12 @@
 //! on both in turn and is followed by `ratio <workload> C=<c> prefilled/sqlite /
 //! empty = X.XXx`.
 //!
+//! `--floors yes` precedes every point whose operations run one after another (C=1,
+//! and hand-offs at every C) with the steps no server can skip, each timed alone
+//! (`floor-request`, `floor-commit/sqlite`, `floor-commit/postgres`; `floors.rs`),
+//! and follows it with one line per store: `bound <workload> C=<c> holdfast/<store> =
+//! X/s (...): measured Y% of it; the bound is Z.ZZx <anchor>`.
+//!
 //! For every holdfast server it started, the bench prints `holdfast/<store> rss
 //! idle X MiB` once all are ready and before any load, and `rss after X MiB` at the
 //! end (VmRSS from /proc/<pid>/status, with the peak VmHWM and, for SQLite, the
@@ -83,6 +89,7 @@
 //! everything the bench started.
 
 mod etcd;
+mod floors;
 mod holdfast;
 mod prefill;
 mod process;
@@ -104,7 +111,7 @@ use crate::target::{Endpoint, Target};
 const USAGE: &str = "usage: cargo bench --bench holdfast-bench -- [--url URL] \
     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn,stop50] \
     [--stores sqlite,postgres] [--postgres URL] [--against etcd,supervisord] \
-    [--prefill leases=N,processes=M[,resources=R][,events=K]]";
+    [--prefill leases=N,processes=M[,resources=R][,events=K]] [--floors yes|no]";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Workload {
@@ -167,6 +174,8 @@ struct Args {
     workloads: Vec<Workload>,
     against: Vec<Anchor>,
     prefill: Option<Prefill>,
+    /// `--floors yes`: each point with a bound is preceded by its floors (`floors.rs`).
+    floors: bool,
 }
 
 /// Adds what failed to an error, for `?` on setup steps.
@@ -191,6 +200,7 @@ fn parse_args() -> Result<Args, String> {
         workloads: Workload::ALL.to_vec(),
         against: Vec::new(),
         prefill: None,
+        floors: false,
     };
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench"); // added by cargo bench
     while let Some(flag) = it.next() {
@@ -222,6 +232,13 @@ fn parse_args() -> Result<Args, String> {
                 args.against = against;
             }
             "--prefill" => args.prefill = Some(ctx(Prefill::parse(&value), "--prefill")?),
+            "--floors" => {
+                args.floors = match value.as_str() {
+                    "yes" => true,
+                    "no" => false,
+                    _ => return Err(format!("--floors: {value:?} is neither yes nor no")),
+                }
+            }
             _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
@@ -240,6 +257,9 @@ fn parse_args() -> Result<Args, String> {
 struct Bench {
     targets: Vec<Target>,
     databases: Vec<String>,
+    /// The database of `floor-commit/postgres`, with `--floors yes` and a
+    /// PostgreSQL store.
+    floor_database: Option<String>,
 }
 
 impl Bench {
@@ -297,6 +317,12 @@ impl Bench {
                     (None, _) => {}
                 }
             }
+        }
+        if args.floors && args.stores.iter().any(|s| s == "postgres") {
+            let name = format!("holdfast_bench_{run_id}_floor");
+            let url = holdfast::create_database(&args.postgres, &name).await?;
+            self.databases.push(name);
+            self.floor_database = Some(url);
         }
         for (anchor, bin) in anchors {
             let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
@@ -394,6 +420,10 @@ impl Bench {
                     Workload::Spawn => reference::spawn_reference(c, secs).await,
                     _ => f64::NAN,
                 };
+                let floors = match args.floors && floors::applies(workload, c) {
+                    true => self.floors(secs).await,
+                    false => None,
+                };
                 let mut rates = Vec::new();
                 for t in self.targets.iter().filter(|t| t.supports(workload)) {
                     let rate = t.measure(workload, c, secs, run_id, reference).await;
@@ -405,6 +435,17 @@ impl Bench {
                     for (store, ours) in rates.iter().filter(|(t, _)| !t.is_anchor()) {
                         report::ratio(name, c, &store.label, *ours, &anchor.label, *theirs);
                         ratios = true;
+                    }
+                }
+                if let Some(f) = &floors {
+                    let anchor = rates.iter().find(|(t, _)| t.is_anchor());
+                    let anchor = anchor.map(|(t, rate)| (t.label.as_str(), *rate));
+                    for (t, ours) in rates.iter().filter(|(t, _)| !t.is_anchor()) {
+                        let store = t.empty_label().unwrap_or(&t.label);
+                        if let Some(b) = floors::bound_ms(f, workload, c, store, reference) {
+                            floors::print_bound((name, c), &t.label, b, *ours, anchor);
+                            ratios = true;
+                        }
                     }
                 }
                 for (t, prefilled) in &rates {
@@ -420,6 +461,23 @@ impl Bench {
                 if ratios {
                     println!();
                 }
+            }
+        }
+    }
+
+    /// The floors before a point (`floors.rs`), on the first holdfast server; None,
+    /// with the reason on stderr, when one cannot be measured.
+    async fn floors(&self, secs: f64) -> Option<floors::Floors> {
+        let (api, server) = self.targets.iter().find_map(|t| match &t.endpoint {
+            Endpoint::Holdfast(api) => Some((api, t.server.as_ref())),
+            _ => None,
+        })?;
+        let pg = self.floor_database.as_deref();
+        match floors::measure(api, server, pg, secs.min(2.0)).await {
+            Ok(f) => Some(f),
+            Err(e) => {
+                eprintln!("holdfast-bench: floors: {e}");
+                None
             }
         }
     }
