@@ -1558,7 +1558,10 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
         ttl(lease("gone", "u/gone", 1), now + 1),
         LeaseState::Released,
     );
-    for l in [&plain, &no_ttl, &passed, &owned, &child, &gone] {
+    // Renewed first in each group below: a renewal that finds no statement
+    // out goes at once, alone, and those that arrive meanwhile go together.
+    let lead = ttl(lease("lead", "u/lead", 1), now + 1);
+    for l in [&plain, &no_ttl, &passed, &owned, &child, &gone, &lead] {
         insert_lease(&s.store, l.clone()).await.expect("insert");
     }
     let renew = |id: &'static str, token: i64, ttl_ms: Option<i64>| {
@@ -1603,17 +1606,20 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
     }
     let before = s.backend().write_counters().round_trips.get();
     let together = futures_util::future::join_all(
-        refused
-            .iter()
-            .map(|(id, token, _)| renew(id, *token, Some(5_000))),
+        std::iter::once(("lead", 1))
+            .chain(refused.iter().map(|(id, token, _)| (*id, *token)))
+            .map(|(id, token)| renew(id, token, Some(5_000))),
     )
     .await;
     let sent = s.backend().write_counters().round_trips.get() - before;
     assert_eq!(
         sent,
-        u64::from(one_statement),
-        "one statement for the group"
+        2 * u64::from(one_statement),
+        "the lead's statement, then one for the group"
     );
+    let mut together = together.into_iter();
+    let lead = together.next().expect("the lead's answer").expect("renew");
+    assert_eq!(lead.is_some(), one_statement, "the lead renewed");
     for ((id, _, before), answer) in refused.iter().zip(together) {
         assert_eq!(answer.expect("renew"), None, "{id}, in a group");
         let after = s.backend().get_lease(id).await.expect("get");
@@ -1622,9 +1628,22 @@ async fn a_plain_lease_is_renewed_in_one_statement_where_the_store_can() {
     // And renewed in a group: a new TTL, and none (the lease's kept, or no
     // expiry at all).
     let at = now + 1_000;
-    let (plain, no_ttl) = tokio::join!(
+    let before = s.backend().write_counters().round_trips.get();
+    let (lead, plain, no_ttl) = tokio::join!(
+        s.backend().renew_unowned("lead", 1, Some(7_000), at),
         s.backend().renew_unowned("plain", 1, Some(7_000), at),
         s.backend().renew_unowned("no-ttl", 1, None, at),
+    );
+    let sent = s.backend().write_counters().round_trips.get() - before;
+    assert_eq!(
+        sent,
+        2 * u64::from(one_statement),
+        "the lead's, then the group's"
+    );
+    assert_eq!(
+        lead.expect("renew").is_some(),
+        one_statement,
+        "the lead renewed"
     );
     let plain = plain.expect("renew");
     let no_ttl = no_ttl.expect("renew");
@@ -1717,6 +1736,78 @@ async fn a_closed_store_renews_nothing_and_leaves_no_renewal_connection_open() {
     }
 }
 
+stores!(a_renewal_whose_caller_goes_away_mid_statement_still_answers_the_others);
+/// On PostgreSQL a renewal that finds no statement out sends its own on its
+/// caller's task. A caller that goes away while that statement is out (its
+/// client hung up) leaves the statement to finish on a task of its own: the
+/// renewal is applied, and the renewal queued behind it is sent and answered.
+async fn a_renewal_whose_caller_goes_away_mid_statement_still_answers_the_others() {
+    use sqlx::Connection;
+    let place = Place::new().await;
+    let now = T0 + 10_000;
+    let Some((s, mut lines)) = renewed_once(&place, now).await else {
+        return;
+    };
+    insert_lease(&s.store, renewable("queued", now))
+        .await
+        .expect("insert");
+    // Locked from another session, the table holds the next statement out.
+    let url = place.url.clone().expect("a PostgreSQL place");
+    let mut locker = sqlx::PgConnection::connect(&url).await.expect("connect");
+    sqlx::raw_sql("BEGIN; LOCK TABLE leases IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut locker)
+        .await
+        .expect("lock");
+    let store = s.store.clone();
+    let lead = tokio::spawn(async move {
+        let b = store.backend();
+        b.renew_unowned("plain", 1, Some(5_000), now).await
+    });
+    let pid = lines.pids().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE pid = ANY($1) AND wait_event_type = 'Lock'",
+        )
+        .bind(&pid)
+        .fetch_all(&mut lines.admin)
+        .await
+        .expect("activity");
+        if !waiting.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the lead's statement never waited for the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Queued behind the statement out: polled once, it waits for a reply.
+    let b = s.backend();
+    let mut queued = Box::pin(b.renew_unowned("queued", 1, Some(5_000), now));
+    let first = std::future::poll_fn(|cx| std::task::Poll::Ready(queued.as_mut().poll(cx))).await;
+    assert!(first.is_pending(), "queued behind the lead");
+    lead.abort();
+    let gone = lead.await.expect_err("the lead's caller went away");
+    assert!(gone.is_cancelled());
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut locker)
+        .await
+        .expect("unlock");
+    let queued = tokio::time::timeout(Duration::from_secs(10), queued)
+        .await
+        .expect("the queued renewal was answered");
+    let queued = queued.expect("renewal").expect("renewed");
+    assert_eq!(queued.expires_at, Some(now + 5_000));
+    let plain = b.get_lease("plain").await.expect("get").expect("the lease");
+    assert_eq!(
+        plain.expires_at,
+        Some(now + 5_000),
+        "the lead's statement ran to its end"
+    );
+    s.close().await;
+}
+
 stores!(a_renewal_connection_cut_between_renewals_is_replaced_unseen);
 /// The renewals' connection, used again within a second without a check,
 /// is cut meanwhile: the renewal that meets it is sent again on a new one,
@@ -1761,9 +1852,11 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
     let now = T0 + 10_000;
     let plain = renewable("plain", now);
     insert_lease(&s.store, plain.clone()).await.expect("insert");
-    insert_lease(&s.store, renewable("other", now))
-        .await
-        .expect("insert");
+    for id in ["other", "lead"] {
+        insert_lease(&s.store, renewable(id, now))
+            .await
+            .expect("insert");
+    }
     let (read_tx, read_rx) = tokio::sync::oneshot::channel::<()>();
     let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
     let store = s.store.clone();
@@ -1790,14 +1883,20 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
         None,
         "not renewed between the transaction's read and its write"
     );
-    // Nor in a group (a statement of its own), whose other lease is renewed.
+    // Nor in a group (a statement of its own), whose other lease is renewed:
+    // the two arrive while the lead's renewal, which went at once, is out.
     let before = b.write_counters().round_trips.get();
-    let (locked, free) = tokio::join!(
+    let (lead, locked, free) = tokio::join!(
+        b.renew_unowned("lead", 1, Some(5_000), now),
         b.renew_unowned("plain", 1, Some(5_000), now),
         b.renew_unowned("other", 1, Some(5_000), now),
     );
     let sent = b.write_counters().round_trips.get() - before;
-    assert_eq!(sent, 1, "the two renewals went in one statement");
+    assert_eq!(
+        sent, 2,
+        "the lead's statement, then the two renewals in one"
+    );
+    assert!(lead.expect("renewal").is_some(), "the lead renewed");
     assert_eq!(locked.expect("renewal"), None, "skipped in a group too");
     let free = free.expect("renewal").expect("the unlocked lease renewed");
     assert_eq!(free.expires_at, Some(now + 5_000));

@@ -299,6 +299,47 @@ impl Renewals {
     }
 }
 
+/// The sending of groups, run on the task of the renewal that started it
+/// until that renewal is answered: a lone renewal goes from its request to
+/// its statement and back with no task between (PostgreSQL renew at C=1:
+/// see docs/development.md). Dropped before it is done (its caller went
+/// away, or was answered while others wait), it goes on in a task of its
+/// own: a statement out carries others' renewals and must not be cut.
+struct Sending(Option<BoxFuture<'static, ()>>);
+
+impl Sending {
+    /// Drives the sending until `answer` holds a reply or nothing is left
+    /// to send. Only this sending answers renewals meanwhile, and only
+    /// while it is polled, so `answer` is looked at after each poll rather
+    /// than waited on: a reply sent to a receiver this task waits on would
+    /// wake the task while it runs, which tokio takes for a yield and
+    /// answers by waking an idle runtime thread.
+    async fn until_sent(&mut self, answer: &oneshot::Receiver<Result<Option<LeaseRecord>>>) {
+        std::future::poll_fn(|cx| {
+            let Some(sending) = self.0.as_mut() else {
+                return std::task::Poll::Ready(());
+            };
+            if sending.as_mut().poll(cx).is_ready() {
+                self.0 = None;
+                return std::task::Poll::Ready(());
+            }
+            match answer.is_empty() {
+                true => std::task::Poll::Pending,
+                false => std::task::Poll::Ready(()),
+            }
+        })
+        .await;
+    }
+}
+
+impl Drop for Sending {
+    fn drop(&mut self) {
+        if let (Some(rest), Ok(rt)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
+            rt.spawn(rest);
+        }
+    }
+}
+
 impl RenewsPlain for Arc<Renewals> {
     fn renew<'a>(
         &'a self,
@@ -320,10 +361,9 @@ impl RenewsPlain for Arc<Renewals> {
                 });
                 !std::mem::replace(&mut s.sending, true)
             };
-            // In a task of its own: a caller that goes away must not cancel
-            // a statement that carries others' renewals.
             if start {
-                tokio::spawn(self.clone().send_groups());
+                let mut sending = Sending(Some(Box::pin(self.clone().send_groups())));
+                sending.until_sent(&answer).await;
             }
             answer
                 .await
