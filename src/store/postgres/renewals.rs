@@ -305,9 +305,23 @@ impl Renewals {
 /// see docs/development.md). Dropped before it is done (its caller went
 /// away, or was answered while others wait), it goes on in a task of its
 /// own: a statement out carries others' renewals and must not be cut.
-struct Sending(Option<BoxFuture<'static, ()>>);
+struct Sending {
+    rest: Option<BoxFuture<'static, ()>>,
+    renewals: Arc<Renewals>,
+    /// Where the rest goes on, taken while the caller runs: the caller may
+    /// be dropped where no runtime is current.
+    rt: tokio::runtime::Handle,
+}
 
 impl Sending {
+    fn start(renewals: &Arc<Renewals>) -> Self {
+        Self {
+            rest: Some(Box::pin(renewals.clone().send_groups())),
+            renewals: renewals.clone(),
+            rt: tokio::runtime::Handle::current(),
+        }
+    }
+
     /// Drives the sending until `answer` holds a reply or nothing is left
     /// to send. Only this sending answers renewals meanwhile, and only
     /// while it is polled, so `answer` is looked at after each poll rather
@@ -316,11 +330,11 @@ impl Sending {
     /// answers by waking an idle runtime thread.
     async fn until_sent(&mut self, answer: &oneshot::Receiver<Result<Option<LeaseRecord>>>) {
         std::future::poll_fn(|cx| {
-            let Some(sending) = self.0.as_mut() else {
+            let Some(sending) = self.rest.as_mut() else {
                 return std::task::Poll::Ready(());
             };
             if sending.as_mut().poll(cx).is_ready() {
-                self.0 = None;
+                self.rest = None;
                 return std::task::Poll::Ready(());
             }
             match answer.is_empty() {
@@ -334,8 +348,23 @@ impl Sending {
 
 impl Drop for Sending {
     fn drop(&mut self) {
-        if let (Some(rest), Ok(rt)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
-            rt.spawn(rest);
+        let Some(rest) = self.rest.take() else {
+            return;
+        };
+        if !std::thread::panicking() {
+            self.rt.spawn(rest);
+            return;
+        }
+        // It panicked and cannot be resumed: the callers of its group get
+        // `dropped`; those still waiting get a sender of their own.
+        drop(rest);
+        let start = {
+            let mut s = self.renewals.state();
+            s.sending = !s.waiting.is_empty();
+            s.sending
+        };
+        if start {
+            self.rt.spawn(self.renewals.clone().send_groups());
         }
     }
 }
@@ -362,7 +391,7 @@ impl RenewsPlain for Arc<Renewals> {
                 !std::mem::replace(&mut s.sending, true)
             };
             if start {
-                let mut sending = Sending(Some(Box::pin(self.clone().send_groups())));
+                let mut sending = Sending::start(self);
                 sending.until_sent(&answer).await;
             }
             answer
