@@ -1693,6 +1693,30 @@ impl RenewalLines {
         .await
         .expect("the renewals' sessions")
     }
+
+    /// Once a renewals' session waits for a lock: its statement is out.
+    /// Polled, as the database announces no such wait.
+    async fn until_one_waits_for_a_lock(&mut self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let waiting: Vec<i32> = sqlx::query_scalar(
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1 \
+                 AND application_name = 'holdfast-renewals' AND wait_event_type = 'Lock'",
+            )
+            .bind(&self.database)
+            .fetch_all(&mut self.admin)
+            .await
+            .expect("the renewals' sessions");
+            if !waiting.is_empty() {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no renewal statement waited for the lock"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
 }
 
 /// On PostgreSQL: a store with a plain lease `plain` (token 1) renewed
@@ -1766,25 +1790,7 @@ async fn a_renewal_whose_caller_goes_away_mid_statement_still_answers_the_others
         let b = store.backend();
         b.renew_unowned("plain", 1, Some(5_000), now).await
     });
-    let pid = lines.pids().await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: Vec<i32> = sqlx::query_scalar(
-            "SELECT pid FROM pg_stat_activity WHERE pid = ANY($1) AND wait_event_type = 'Lock'",
-        )
-        .bind(&pid)
-        .fetch_all(&mut lines.admin)
-        .await
-        .expect("activity");
-        if !waiting.is_empty() {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the lead's statement never waited for the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    lines.until_one_waits_for_a_lock().await;
     // Queued behind the statement out: polled once, it waits for a reply.
     let b = s.backend();
     let mut queued = Box::pin(b.renew_unowned("queued", 1, Some(5_000), now));
