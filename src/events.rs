@@ -24,7 +24,7 @@ pub async fn append(
     kind: EventType,
     subject: Subject<'_>,
     detail: Value,
-) -> Result<i64> {
+) -> Result<()> {
     let (lease, process, port) = match subject {
         Subject::Lease(l) => (json!(l), Value::Null, Value::Null),
         Subject::Process(p) => (Value::Null, json!(p), Value::Null),

@@ -122,7 +122,7 @@ impl From<crate::events::ReadError> for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Busy => Self::Busy,
+            StoreError::Busy | StoreError::Stale => Self::Busy,
             StoreError::Unavailable(m) | StoreError::OutcomeUnknown(m) => Self::Unavailable(m),
             StoreError::Other(m) => Self::Internal(m),
             StoreError::RequestInProgress => Self::RequestInProgress,

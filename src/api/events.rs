@@ -284,7 +284,7 @@ fn stream(
                         StoreError::Unavailable(d)
                         | StoreError::Other(d)
                         | StoreError::OutcomeUnknown(d) => d,
-                        StoreError::Busy => "the store is busy".into(),
+                        StoreError::Busy | StoreError::Stale => "the store is busy".into(),
                         StoreError::RequestInProgress => "a request is in progress".into(),
                     };
                     let data = serde_json::json!({"code": "unavailable", "detail": detail});

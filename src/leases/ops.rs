@@ -26,7 +26,7 @@ async fn append(
     kind: EventType,
     lease: &LeaseView,
     detail: Value,
-) -> Result<i64> {
+) -> Result<()> {
     crate::events::append(tx, now, kind, crate::events::Subject::Lease(lease), detail).await
 }
 

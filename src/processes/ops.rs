@@ -103,6 +103,7 @@ async fn end(
 }
 
 /// A process record about to be created.
+#[derive(Clone)]
 pub struct Create {
     pub id: String,
     pub kind: String,

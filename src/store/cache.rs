@@ -1,32 +1,78 @@
-//! What a single writer may remember between its transactions, so that the
+//! What a writer may remember between its transactions, so that the
 //! reads of the hot paths (a lease by id, the current lease of a resource,
 //! its last token, the ports of an owner) need no trip to the database.
 //!
-//! Only a store whose writer is the only one (SQLite) keeps one. It is
-//! written through: every write of the transaction scripts updates it as it
-//! queues the statement. Whatever is undone (a failed job, a failed batch)
-//! clears it all, so it never holds what the database does not; it then
-//! fills again from the database as it is read. The database's constraints
-//! stay the last word (one current lease per resource, one current
-//! reservation per port): a stale entry could only make a write fail.
+//! It is written through: every write of the transaction scripts updates it
+//! as it queues the statement. Whatever is undone (a failed job, a failed
+//! batch) clears it all, so it never holds what the database did not; it
+//! then fills again from the database as it is read. The database's
+//! constraints stay the last word (one current lease per resource, one
+//! current reservation per port).
+//!
+//! SQLite's single writer is the only one to change its rows, so what it
+//! remembers stays true. On PostgreSQL other hosts write too, and renewals
+//! go outside the writer's transactions: its cache is `guarded`. A
+//! transaction that answers a read from an entry an earlier transaction
+//! left there notes a `Check` of it, and the commit verifies every check
+//! under the fleet's lock before it writes (a lease's row version, a
+//! resource free, a last token, an owner's count of reservations); should
+//! one fail, nothing is kept and the jobs run again on what the database
+//! holds (`StoreError::Stale`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::model::{LeaseRecord, PortRecord};
 
 /// Past this many entries in one map, the map starts over.
 const LIMIT: usize = 20_000;
 
+/// A lease row's version: PostgreSQL's `xmin`, the id of the transaction
+/// that wrote it, modulo 2^32. None for a row this transaction wrote (its
+/// id becomes the version at commit, `committed`).
+pub type Version = Option<i64>;
+
+/// Something a transaction took from an entry an earlier one left, to be
+/// verified at its commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Check {
+    /// The lease's row is still at this version.
+    Lease { id: String, version: i64 },
+    /// The resource has no current lease.
+    Free { resource: String },
+    /// The resource's last token is still this.
+    Token { resource: String, last: i64 },
+    /// The owner holds this many current reservations.
+    Ports { owner: String, count: usize },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    Lease(String),
+    Current(String),
+    Token(String),
+    Ports(String),
+}
+
+/// The entries a transaction read from the database or wrote itself (no
+/// check needed), and the checks of the others it used.
+#[derive(Debug, Default)]
+struct Guard {
+    fresh: HashSet<Key>,
+    checks: Vec<Check>,
+}
+
 #[derive(Debug, Default)]
 pub struct Cache {
-    /// Current leases by id.
-    leases: HashMap<String, LeaseRecord>,
+    /// Current leases by id, with their row version.
+    leases: HashMap<String, (LeaseRecord, Version)>,
     /// Resource to its current lease's id, or None when it has none.
     current: HashMap<String, Option<String>>,
     /// Resource to the last token handed out.
     tokens: HashMap<String, i64>,
     /// Owner (lease or process) to its current reservations, by name.
     ports: HashMap<String, Vec<PortRecord>>,
+    /// Some when other writers may change the rows (see the module's head).
+    guard: Option<Guard>,
 }
 
 fn room<K, V>(map: &mut HashMap<K, V>) {
@@ -36,47 +82,152 @@ fn room<K, V>(map: &mut HashMap<K, V>) {
 }
 
 impl Cache {
+    /// A cache whose entries from earlier transactions are checked at commit.
+    pub fn guarded() -> Self {
+        Self {
+            guard: Some(Guard::default()),
+            ..Self::default()
+        }
+    }
+
     pub fn clear(&mut self) {
+        let guarded = self.guard.is_some();
         *self = Self::default();
+        if guarded {
+            self.guard = Some(Guard::default());
+        }
+    }
+
+    /// A new transaction: every entry is an earlier one's again.
+    pub fn begin(&mut self) {
+        if let Some(g) = &mut self.guard {
+            g.fresh.clear();
+            g.checks.clear();
+        }
+    }
+
+    /// The checks of the transaction so far, taken.
+    pub fn take_checks(&mut self) -> Vec<Check> {
+        self.guard
+            .as_mut()
+            .map(|g| std::mem::take(&mut g.checks))
+            .unwrap_or_default()
+    }
+
+    /// The transaction committed as `version`: the rows it wrote are at it.
+    pub fn committed(&mut self, version: i64) {
+        for (_, v) in self.leases.values_mut() {
+            v.get_or_insert(version);
+        }
+    }
+
+    /// Whether `key` needs a check, and notes that it has one now.
+    fn first_use(&mut self, key: Key) -> bool {
+        self.guard.as_mut().is_some_and(|g| g.fresh.insert(key))
+    }
+
+    fn check(&mut self, check: Check) {
+        if let Some(g) = &mut self.guard {
+            g.checks.push(check);
+        }
+    }
+
+    fn fresh(&mut self, key: Key) {
+        if let Some(g) = &mut self.guard {
+            g.fresh.insert(key);
+        }
     }
 
     /// The lease `id` if it is current and known.
-    pub fn lease(&self, id: &str) -> Option<LeaseRecord> {
-        self.leases.get(id).cloned()
+    pub fn lease(&mut self, id: &str) -> Option<LeaseRecord> {
+        let (rec, version) = self.leases.get(id).cloned()?;
+        if self.first_use(Key::Lease(id.to_owned())) {
+            // Written by this transaction: never an earlier one's.
+            let version = version?;
+            self.check(Check::Lease {
+                id: id.to_owned(),
+                version,
+            });
+        }
+        Some(rec)
     }
 
     /// Whether `l` differs from the lease as known in its TTL, expiry and
     /// renewal time alone (false when the lease is not known).
     pub fn is_renewal(&self, l: &LeaseRecord) -> bool {
-        self.leases.get(&l.id).is_some_and(|k| {
+        self.leases.get(&l.id).is_some_and(|(k, _)| {
             (&k.state, &k.owner, k.ended_at, &k.end_reason)
                 == (&l.state, &l.owner, l.ended_at, &l.end_reason)
         })
     }
 
     /// Some(the current lease of `resource`, or None) when known.
-    pub fn current_lease(&self, resource: &str) -> Option<Option<LeaseRecord>> {
-        match self.current.get(resource)? {
-            None => Some(None),
-            Some(id) => self.leases.get(id).map(|l| Some(l.clone())),
+    pub fn current_lease(&mut self, resource: &str) -> Option<Option<LeaseRecord>> {
+        match self.current.get(resource)?.clone() {
+            None => {
+                if self.first_use(Key::Current(resource.to_owned())) {
+                    self.check(Check::Free {
+                        resource: resource.to_owned(),
+                    });
+                }
+                Some(None)
+            }
+            Some(id) => {
+                let rec = self.lease(&id)?;
+                self.fresh(Key::Current(resource.to_owned()));
+                Some(Some(rec))
+            }
         }
     }
 
-    /// `rec` as it is now in the transaction (read, inserted or updated).
-    pub fn saw_lease(&mut self, rec: &LeaseRecord) {
+    /// `rec` as this transaction read it from the database (`Some` version)
+    /// or wrote it (None).
+    pub fn saw_lease(&mut self, rec: &LeaseRecord, version: Version) {
+        self.fresh(Key::Lease(rec.id.clone()));
         if rec.state.is_current() {
             room(&mut self.leases);
             room(&mut self.current);
-            self.leases.insert(rec.id.clone(), rec.clone());
+            self.leases.insert(rec.id.clone(), (rec.clone(), version));
             self.current
                 .insert(rec.resource.clone(), Some(rec.id.clone()));
-        } else {
-            self.leases.remove(&rec.id);
-            if let Some(slot) = self.current.get_mut(&rec.resource)
-                && slot.as_deref() == Some(rec.id.as_str())
-            {
-                *slot = None;
+            self.fresh(Key::Current(rec.resource.clone()));
+            return;
+        }
+        self.leases.remove(&rec.id);
+        if let Some(slot) = self.current.get_mut(&rec.resource)
+            && slot.as_deref() == Some(rec.id.as_str())
+        {
+            // Ended here, the resource is free; read ended, another
+            // writer may have made a lease current since.
+            match (version, &self.guard) {
+                (Some(_), Some(_)) => {
+                    self.current.remove(&rec.resource);
+                }
+                _ => {
+                    *slot = None;
+                    self.fresh(Key::Current(rec.resource.clone()));
+                }
             }
+        }
+    }
+
+    /// A lease renewed outside the writer's transactions, as its statement
+    /// returned it, at `version`: kept unless the entry is newer.
+    pub fn renewed(&mut self, rec: &LeaseRecord, version: i64) {
+        if let Some((_, Some(known))) = self.leases.get(&rec.id) {
+            // Transaction ids modulo 2^32 compare by their difference.
+            let newer = (version.wrapping_sub(*known) as i32) > 0;
+            if !newer {
+                return;
+            }
+        }
+        if rec.state.is_current() {
+            room(&mut self.leases);
+            room(&mut self.current);
+            self.leases
+                .insert(rec.id.clone(), (rec.clone(), Some(version)));
+            self.current
+                .insert(rec.resource.clone(), Some(rec.id.clone()));
         }
     }
 
@@ -84,33 +235,55 @@ impl Cache {
     pub fn saw_no_current(&mut self, resource: &str) {
         room(&mut self.current);
         self.current.insert(resource.to_owned(), None);
+        self.fresh(Key::Current(resource.to_owned()));
     }
 
     /// The next token of `resource` when its last is known, counted as handed out.
     pub fn next_token(&mut self, resource: &str) -> Option<i64> {
-        let last = self.tokens.get_mut(resource)?;
-        *last += 1;
-        Some(*last)
+        let last = *self.tokens.get(resource)?;
+        if self.first_use(Key::Token(resource.to_owned())) {
+            self.check(Check::Token {
+                resource: resource.to_owned(),
+                last,
+            });
+        }
+        self.tokens.insert(resource.to_owned(), last + 1);
+        Some(last + 1)
     }
 
     pub fn saw_token(&mut self, resource: &str, token: i64) {
         room(&mut self.tokens);
         self.tokens.insert(resource.to_owned(), token);
+        self.fresh(Key::Token(resource.to_owned()));
     }
 
     /// The current reservations of `owner`, by name, when known.
-    pub fn ports_of(&self, owner: &str) -> Option<Vec<PortRecord>> {
-        self.ports.get(owner).cloned()
+    pub fn ports_of(&mut self, owner: &str) -> Option<Vec<PortRecord>> {
+        let held = self.ports.get(owner)?.clone();
+        if self.first_use(Key::Ports(owner.to_owned())) {
+            self.check(Check::Ports {
+                owner: owner.to_owned(),
+                count: held.len(),
+            });
+        }
+        Some(held)
     }
 
     pub fn saw_ports(&mut self, owner: &str, ports: &[PortRecord]) {
         room(&mut self.ports);
         self.ports.insert(owner.to_owned(), ports.to_vec());
+        self.fresh(Key::Ports(owner.to_owned()));
     }
 
     /// `owner` was just created: it holds no ports yet.
     pub fn new_owner(&mut self, owner: &str) {
         self.saw_ports(owner, &[]);
+    }
+
+    /// Whether the entry of `key` is an earlier transaction's, unchecked:
+    /// a write must not change it into something no check describes.
+    fn unchecked(&self, key: &Key) -> bool {
+        self.guard.as_ref().is_some_and(|g| !g.fresh.contains(key))
     }
 
     pub fn port_inserted(&mut self, p: &PortRecord) {
@@ -120,6 +293,10 @@ impl Cache {
         if p.released_at.is_some() {
             return;
         }
+        if self.unchecked(&Key::Ports(target.id.clone())) {
+            self.ports.remove(&target.id);
+            return;
+        }
         if let Some(held) = self.ports.get_mut(&target.id) {
             let at = held.partition_point(|h| h.name < p.name);
             held.insert(at, p.clone());
@@ -127,8 +304,18 @@ impl Cache {
     }
 
     pub fn port_released(&mut self, id: &str) {
-        for held in self.ports.values_mut() {
-            held.retain(|p| p.id != id);
+        let holding: Vec<String> = self
+            .ports
+            .iter()
+            .filter(|(_, held)| held.iter().any(|p| p.id == id))
+            .map(|(owner, _)| owner.clone())
+            .collect();
+        for owner in holding {
+            if self.unchecked(&Key::Ports(owner.clone())) {
+                self.ports.remove(&owner);
+            } else if let Some(held) = self.ports.get_mut(&owner) {
+                held.retain(|p| p.id != id);
+            }
         }
     }
 }
@@ -147,7 +334,7 @@ mod tests {
         let mut renewed = known.clone();
         (renewed.ttl_ms, renewed.expires_at, renewed.renewed_at) = (Some(9), Some(9), Some(9));
         assert!(!c.is_renewal(&renewed), "an unknown lease");
-        c.saw_lease(&known);
+        c.saw_lease(&known, None);
         assert!(c.is_renewal(&renewed));
         let mut ended = renewed.clone();
         ended.state = LeaseState::Released;
@@ -157,7 +344,7 @@ mod tests {
         assert!(!c.is_renewal(&reason));
         let mut activated = renewed;
         activated.state = LeaseState::Reserved;
-        c.saw_lease(&activated);
+        c.saw_lease(&activated, None);
         activated.state = LeaseState::Active;
         assert!(
             !c.is_renewal(&activated),
@@ -169,13 +356,13 @@ mod tests {
     fn a_lease_that_ends_leaves_its_resource_known_free() {
         let mut c = Cache::default();
         assert_eq!(c.current_lease("r"), None, "unknown at first");
-        c.saw_lease(&lease("a", "r", LeaseState::Active));
+        c.saw_lease(&lease("a", "r", LeaseState::Active), None);
         assert_eq!(
             c.current_lease("r").flatten().map(|l| l.id),
             Some("a".into())
         );
         assert!(c.lease("a").is_some());
-        c.saw_lease(&lease("a", "r", LeaseState::Released));
+        c.saw_lease(&lease("a", "r", LeaseState::Released), None);
         assert_eq!(c.current_lease("r"), Some(None));
         assert_eq!(
             c.lease("a"),
@@ -187,8 +374,8 @@ mod tests {
     #[test]
     fn an_old_lease_read_does_not_hide_the_current_one() {
         let mut c = Cache::default();
-        c.saw_lease(&lease("b", "r", LeaseState::Active));
-        c.saw_lease(&lease("a", "r", LeaseState::Released));
+        c.saw_lease(&lease("b", "r", LeaseState::Active), None);
+        c.saw_lease(&lease("a", "r", LeaseState::Released), None);
         assert_eq!(
             c.current_lease("r").flatten().map(|l| l.id),
             Some("b".into())

@@ -107,7 +107,9 @@ pub trait Exec: Send {
     /// As `execute`, for a statement that must change exactly one row:
     /// otherwise it fails, saying `what` vanished.
     fn execute_one<'a>(&'a mut self, s: Stmt<'a>, what: String) -> BoxFuture<'a, Result<()>>;
-    /// Append an event under the next seq and return it.
+    /// Append an event under the next seq and return it: in the fleet's
+    /// count, or in the batch's, shifted at commit (PostgreSQL's writer,
+    /// `postgres::pipeline`).
     fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>>;
     /// The last seq handed out (which retention never lowers).
     fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>>;
@@ -117,6 +119,14 @@ pub trait Exec: Send {
     /// has none.
     fn locks_rows(&self) -> bool {
         false
+    }
+
+    /// Verify `checks` (of entries of the writer's cache that an earlier
+    /// transaction left, `cache::Check`) before this transaction writes
+    /// anything: a store with a guarded cache (PostgreSQL's) fails the
+    /// transaction with `StoreError::Stale` when one does not hold.
+    fn guard(&mut self, checks: Vec<super::cache::Check>) {
+        let _ = checks;
     }
 
     /// As `execute`, or `execute_one` with `what`, for a write of kind

@@ -23,6 +23,9 @@ const QUEUE_CAP: usize = 8192;
 pub struct Job {
     /// The commit must reach stable storage before the answer.
     pub durable: bool,
+    /// The job's reads go to the database, not to what the writer
+    /// remembers (`store::reads_fresh`).
+    pub fresh: bool,
     pub run: JobFn,
     pub reply: oneshot::Sender<Result<JobOutput>>,
 }
@@ -99,6 +102,7 @@ impl<B: Batches> GroupCommit<B> {
             }
             q.jobs.push_back(Job {
                 durable,
+                fresh: super::reads_fresh(),
                 run,
                 reply,
             });

@@ -45,6 +45,28 @@ pub enum StoreError {
     /// of this one was kept.
     #[error("a request with the same idempotency key is in progress")]
     RequestInProgress,
+    /// A row the writer answered from its memory had changed in the
+    /// database (another host's write): nothing was kept, and the job is
+    /// run again on what the database holds (`Store::write`).
+    #[error("the store's memory of a row was out of date")]
+    Stale,
+}
+
+/// Runs of one job that met `StoreError::Stale` before it is answered
+/// `busy`. A run after a stale one reads what it uses from the database,
+/// so a second rarely meets it; only other hosts changing the same rows
+/// again and again can make it.
+const STALE_RUNS: usize = 4;
+
+tokio::task_local! {
+    /// Set while a job that met `StoreError::Stale` is queued again: its
+    /// batch reads from the database, not from the writer's memory.
+    static FRESH: ();
+}
+
+/// Whether the job being queued must read fresh (see `FRESH`).
+pub(crate) fn reads_fresh() -> bool {
+    FRESH.try_with(|_| ()).is_ok()
 }
 
 /// What a committed transaction means for in-memory waiters.
@@ -71,8 +93,11 @@ pub trait Tx: Send {
     fn insert_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>>;
     /// Overwrite the mutable fields of the lease with `lease.id`.
     fn update_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>>;
-    /// Append an event; `body` is its JSON object without `seq`. Returns the seq.
-    fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<i64>>;
+    /// Append an event; `body` is its JSON object without `seq`, which the
+    /// store gives it under the fleet's order at commit (PostgreSQL's
+    /// writer learns the database's count only then; `Effect::Event`
+    /// carries it to the listeners).
+    fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<()>>;
     fn set_meta<'a>(&'a mut self, key: &'a str, value: &'a str) -> BoxFuture<'a, Result<()>>;
     /// Delete events beyond the newest `keep_last` or older than `older_than`;
     /// returns the highest seq pruned so far (0 when none ever was).
@@ -231,34 +256,51 @@ impl Store {
         Self { backend }
     }
 
-    /// Run `f` in a write transaction and return what it returns, once committed.
+    /// Run `f` in a write transaction and return what it returns, once
+    /// committed. `f` may run more than once: a store that answers reads
+    /// from memory undoes a run whose rows changed meanwhile and runs a
+    /// copy of `f` again (`StoreError::Stale`); nothing a run did is kept
+    /// but the last one's.
     pub async fn write<R, F>(&self, durable: bool, f: F) -> Result<R>
     where
         R: Send + 'static,
-        F: for<'t> FnOnce(&'t mut dyn Tx) -> BoxFuture<'t, Result<R>> + Send + 'static,
+        F: for<'t> FnOnce(&'t mut dyn Tx) -> BoxFuture<'t, Result<R>> + Send + Clone + 'static,
     {
         // A request with an Idempotency-Key records it in each of its
         // transactions, before its change (see `crate::idempotency`).
         let claim = crate::idempotency::Claim::current();
-        let unsure_of = claim.clone();
-        let job: JobFn = Box::new(move |tx| {
-            Box::pin(async move {
-                if let Some(c) = claim {
-                    let at = crate::time::now_ms();
-                    let stale = at - crate::idempotency::KEEP_MS;
-                    let holder = tx
-                        .claim_key(&c.key, &c.request, &c.request_id, at, stale)
-                        .await?;
-                    if holder != c.request_id {
-                        return Err(StoreError::RequestInProgress);
+        let mut runs = 0;
+        let out = loop {
+            runs += 1;
+            let (f, claim) = (f.clone(), claim.clone());
+            let job: JobFn = Box::new(move |tx| {
+                Box::pin(async move {
+                    if let Some(c) = claim {
+                        let at = crate::time::now_ms();
+                        let stale = at - crate::idempotency::KEEP_MS;
+                        let holder = tx
+                            .claim_key(&c.key, &c.request, &c.request_id, at, stale)
+                            .await?;
+                        if holder != c.request_id {
+                            return Err(StoreError::RequestInProgress);
+                        }
+                        c.mark_recorded();
                     }
-                    c.mark_recorded();
-                }
-                f(tx).await.map(|r| Box::new(r) as JobOutput)
-            })
-        });
-        let out = self.backend.write(durable, job).await.inspect_err(|e| {
-            if let (StoreError::OutcomeUnknown(_), Some(c)) = (e, &unsure_of) {
+                    f(tx).await.map(|r| Box::new(r) as JobOutput)
+                })
+            });
+            let written = match runs {
+                1 => self.backend.write(durable, job).await,
+                _ => FRESH.scope((), self.backend.write(durable, job)).await,
+            };
+            match written {
+                Err(StoreError::Stale) if runs < STALE_RUNS => continue,
+                Err(StoreError::Stale) => break Err(StoreError::Busy),
+                out => break out,
+            }
+        };
+        let out = out.inspect_err(|e| {
+            if let (StoreError::OutcomeUnknown(_), Some(c)) = (e, &claim) {
                 c.mark_unsure();
             }
         })?;

@@ -28,20 +28,34 @@ impl<'c, E: Exec + ?Sized> SqlTx<'c, E> {
     }
 }
 
+impl<E: Exec + ?Sized> SqlTx<'_, E> {
+    /// Hand what the cache's answers took from earlier transactions to the
+    /// connection, to be verified before this one writes.
+    fn guard(&mut self) {
+        if let Some(cache) = self.cache.as_deref_mut() {
+            let checks = cache.take_checks();
+            if !checks.is_empty() {
+                self.conn.guard(checks);
+            }
+        }
+    }
+}
+
 impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     fn lease<'a>(&'a mut self, id: &'a str) -> BoxFuture<'a, Result<Option<LeaseRecord>>> {
         Box::pin(async move {
-            if let Some(hit) = self.cache.as_deref().and_then(|c| c.lease(id)) {
+            if let Some(hit) = self.cache.as_deref_mut().and_then(|c| c.lease(id)) {
+                self.guard();
                 return Ok(Some(hit));
             }
-            let (found, has_ports) = rows::lease_to_write(self.conn, id).await?;
-            if let (Some(cache), Some(rec)) = (self.cache.as_deref_mut(), &found) {
-                cache.saw_lease(rec);
-                if has_ports == Some(false) {
+            let read = rows::lease_to_write(self.conn, id).await?;
+            if let (Some(cache), Some(rec)) = (self.cache.as_deref_mut(), &read.lease) {
+                cache.saw_lease(rec, read.version);
+                if read.has_ports == Some(false) {
                     cache.saw_ports(id, &[]);
                 }
             }
-            Ok(found)
+            Ok(read.lease)
         })
     }
 
@@ -52,22 +66,23 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         Box::pin(async move {
             if let Some(hit) = self
                 .cache
-                .as_deref()
+                .as_deref_mut()
                 .and_then(|c| c.current_lease(resource))
             {
+                self.guard();
                 return Ok(hit);
             }
-            let (found, last_token) = rows::current_lease_to_write(self.conn, resource).await?;
+            let read = rows::current_lease_to_write(self.conn, resource).await?;
             if let Some(cache) = self.cache.as_deref_mut() {
-                match &found {
-                    Some(rec) => cache.saw_lease(rec),
+                match &read.lease {
+                    Some(rec) => cache.saw_lease(rec, read.version),
                     None => cache.saw_no_current(resource),
                 }
-                if let Some(token) = last_token {
+                if let Some(token) = read.last_token {
                     cache.saw_token(resource, token);
                 }
             }
-            Ok(found)
+            Ok(read.lease)
         })
     }
 
@@ -78,6 +93,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
                 .as_deref_mut()
                 .and_then(|c| c.next_token(resource))
             {
+                self.guard();
                 rows::set_token(self.conn, resource, token).await?;
                 return Ok(token);
             }
@@ -93,7 +109,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         Box::pin(async move {
             rows::insert_lease(self.conn, lease).await?;
             if let Some(cache) = self.cache.as_deref_mut() {
-                cache.saw_lease(lease);
+                cache.saw_lease(lease, None);
                 cache.new_owner(&lease.id);
             }
             Ok(())
@@ -105,17 +121,17 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
             let renewal = self.cache.as_deref().is_some_and(|c| c.is_renewal(lease));
             rows::update_lease(self.conn, lease, renewal).await?;
             if let Some(cache) = self.cache.as_deref_mut() {
-                cache.saw_lease(lease);
+                cache.saw_lease(lease, None);
             }
             Ok(())
         })
     }
 
-    fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<i64>> {
+    fn append_event<'a>(&'a mut self, at: Millis, body: String) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let seq = self.conn.append_event(at, &body).await?;
             self.effects.push(Effect::Event(seq));
-            Ok(seq)
+            Ok(())
         })
     }
 
@@ -223,7 +239,8 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
 
     fn ports_of<'a>(&'a mut self, owner_id: &'a str) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
         Box::pin(async move {
-            if let Some(hit) = self.cache.as_deref().and_then(|c| c.ports_of(owner_id)) {
+            if let Some(hit) = self.cache.as_deref_mut().and_then(|c| c.ports_of(owner_id)) {
+                self.guard();
                 return Ok(hit);
             }
             let found = rows::ports_of(self.conn, owner_id).await?;

@@ -94,7 +94,10 @@ pub(crate) async fn hammer(
                 assert_eq!(body["code"], "lease_held", "{body}");
                 lost += 1;
             }
-            other => panic!("unexpected status {other}"),
+            other => panic!(
+                "unexpected status {other}: {}",
+                r.text().await.unwrap_or_default()
+            ),
         }
     }
     (won, lost)

@@ -314,18 +314,21 @@ async fn insert_port(s: &Store, p: PortRecord) -> Result<(), StoreError> {
     .await
 }
 
+/// Append `n` events in one transaction; the seqs they were stored under.
 async fn append(s: &Store, n: usize, at: Millis) -> Vec<i64> {
+    let before = s.backend().last_event_seq().await.expect("last seq");
     s.write(true, move |tx| {
         Box::pin(async move {
-            let mut seqs = Vec::new();
             for i in 0..n {
-                seqs.push(tx.append_event(at, format!(r#"{{"n":{i}}}"#)).await?);
+                tx.append_event(at, format!(r#"{{"n":{i}}}"#)).await?;
             }
-            Ok(seqs)
+            Ok(())
         })
     })
     .await
-    .expect("append events")
+    .expect("append events");
+    let rows = s.backend().events(before, 100).await.expect("events");
+    seqs(&rows)
 }
 
 fn seqs(rows: &[EventRow]) -> Vec<i64> {
@@ -935,18 +938,22 @@ async fn committed_effects_reach_the_listener_and_failed_ones_do_not() {
     let place = Place::new().await;
     let s = place.open().await;
     s.effects.take();
-    let seq = s
-        .store
+    // Another event first, so that the seq is not the batch's own count.
+    append(&s.store, 1, T0).await;
+    s.effects.take();
+    s.store
         .write(true, |tx| {
             Box::pin(async move {
                 tx.after_commit(Effect::LeaseEnded("res/e".into()));
-                let seq = tx.append_event(T0, "{}".into()).await?;
+                tx.append_event(T0, "{}".into()).await?;
                 tx.after_commit(Effect::LeaseEnded("res/f".into()));
-                Ok(seq)
+                Ok(())
             })
         })
         .await
         .expect("write");
+    let seq = s.backend().last_event_seq().await.expect("seq");
+    assert_eq!(seq, 2);
     assert_eq!(
         s.effects.take(),
         [vec![
@@ -1860,7 +1867,13 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
     let s = place.open().await;
     let now = T0 + 10_000;
     let plain = renewable("plain", now);
-    insert_lease(&s.store, plain.clone()).await.expect("insert");
+    // Written by another host, so that this one's writer reads it from the
+    // database (what it wrote itself it would answer from memory).
+    let other_host = place.open().await;
+    insert_lease(&other_host.store, plain.clone())
+        .await
+        .expect("insert");
+    other_host.close().await;
     for id in ["other", "lead"] {
         insert_lease(&s.store, renewable(id, now))
             .await
@@ -1868,14 +1881,21 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
     }
     let (read_tx, read_rx) = tokio::sync::oneshot::channel::<()>();
     let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    // Taken by the job's first run (a job may run more than once).
+    let read_tx = Arc::new(std::sync::Mutex::new(Some(read_tx)));
+    let go_rx = Arc::new(std::sync::Mutex::new(Some(go_rx)));
     let store = s.store.clone();
     let ending = tokio::spawn(async move {
         store
             .write(true, move |tx| {
                 Box::pin(async move {
                     let mut rec = tx.lease("plain").await?.expect("the lease");
-                    let _ = read_tx.send(());
-                    let _ = go_rx.await;
+                    let read = read_tx.lock().expect("lock").take();
+                    let _ = read.map(|t| t.send(()));
+                    let go = go_rx.lock().expect("lock").take();
+                    if let Some(go) = go {
+                        let _ = go.await;
+                    }
                     rec.state = LeaseState::Released;
                     rec.ended_at = Some(now);
                     rec.end_reason = Some("released".into());
@@ -1922,6 +1942,103 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
     let after = b.get_lease("plain").await.expect("get").expect("the lease");
     assert_eq!(after.state, LeaseState::Released);
     assert_eq!(after.expires_at, plain.expires_at, "expiry not moved");
+    s.close().await;
+}
+
+stores!(a_lease_known_to_the_writer_and_changed_meanwhile_is_read_again);
+/// The PostgreSQL writer answers reads from what its earlier transactions
+/// read and wrote, and checks at commit that those rows did not change: a
+/// renewal outside the transactions (or another host) that changed one in
+/// between makes the job run again on the row as it now is, in one
+/// round trip more, and the renewal is kept. A lease it knows is released in
+/// one round trip.
+async fn a_lease_known_to_the_writer_and_changed_meanwhile_is_read_again() {
+    if !matches!(stores::current(), stores::Store::Postgres) {
+        return;
+    }
+    let place = Place::new().await;
+    let s = place.open().await;
+    let now = T0 + 10_000;
+    let plain = renewable("plain", now);
+    insert_lease(&s.store, plain.clone()).await.expect("insert");
+    let b = s.backend();
+    let renewed = b
+        .renew_unowned("plain", 1, Some(7_000), now)
+        .await
+        .expect("renewal")
+        .expect("renewed");
+    assert_eq!(renewed.expires_at, Some(now + 7_000));
+    // Behind the writer's back: another host renews it.
+    let other_host = place.open().await;
+    let again = other_host
+        .backend()
+        .renew_unowned("plain", 1, Some(9_000), now + 1)
+        .await
+        .expect("renewal")
+        .expect("renewed");
+    assert_eq!(again.expires_at, Some(now + 9_001));
+    other_host.close().await;
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = {
+        let runs = runs.clone();
+        s.store
+            .write(true, move |tx| {
+                Box::pin(async move {
+                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let rec = tx.lease("plain").await?.expect("the lease");
+                    let mut ended = rec.clone();
+                    ended.state = LeaseState::Released;
+                    ended.ended_at = Some(now + 2);
+                    ended.end_reason = Some("released".into());
+                    tx.update_lease(&ended).await?;
+                    Ok(rec.expires_at)
+                })
+            })
+            .await
+            .expect("released")
+    };
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the first run used the renewal it knew, the second the other host's"
+    );
+    assert_eq!(
+        seen,
+        Some(now + 9_001),
+        "released as the other host left it"
+    );
+    let stored = b.get_lease("plain").await.expect("get").expect("the lease");
+    assert_eq!(stored.state, LeaseState::Released);
+    assert_eq!(stored.expires_at, Some(now + 9_001), "the renewal was kept");
+
+    // A lease the writer acquired, renewed and releases: no read goes out.
+    let fresh = renewable("fresh", now);
+    insert_lease(&s.store, fresh.clone()).await.expect("insert");
+    b.renew_unowned("fresh", 1, Some(5_000), now)
+        .await
+        .expect("renewal")
+        .expect("renewed");
+    let before = b.write_counters().round_trips.get();
+    s.store
+        .write(true, move |tx| {
+            Box::pin(async move {
+                let mut rec = tx.lease("fresh").await?.expect("the lease");
+                assert_eq!(rec.expires_at, Some(now + 5_000), "the renewal known");
+                rec.state = LeaseState::Released;
+                rec.ended_at = Some(now + 2);
+                tx.update_lease(&rec).await?;
+                tx.append_event(now + 2, r#"{"released":"fresh"}"#.into())
+                    .await
+            })
+        })
+        .await
+        .expect("released");
+    assert_eq!(
+        b.write_counters().round_trips.get() - before,
+        1,
+        "the checks, the writes and COMMIT in one round trip"
+    );
+    assert_eq!(b.last_event_seq().await.expect("seq"), 1, "the event's seq");
     s.close().await;
 }
 

@@ -31,6 +31,8 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => StoreError::Unavailable(e.to_string()),
         sqlx::Error::Database(db) => match db.code().as_deref().unwrap_or("") {
+            // A check of the writer's cache failed (`pipeline::FUNCTION`).
+            "HF001" => StoreError::Stale,
             // Serialization failure, deadlock, lock timeout, statement cancelled.
             "40001" | "40P01" | "55P03" | "57014" => StoreError::Busy,
             // Read-only transaction (a standby), a session ended for idling
@@ -208,11 +210,13 @@ impl SqlStore<Postgres> {
             .map_err(unreachable)?;
         let notifier = notify::Notifier::new();
         notifier.spawn_listener(url.to_owned(), pool.clone(), listener.clone());
+        let renewed = Arc::new(writer::Renewed::default());
         let writer = writer::start(
             pool.clone(),
             listener,
             notifier,
             settings.timeout.saturating_mul(3),
+            renewed.clone(),
         );
         tracing::info!(database = %place, "using PostgreSQL");
         let store = SqlStore::new(pool.clone(), writer);
@@ -220,6 +224,7 @@ impl SqlStore<Postgres> {
             pool,
             super::Backend::write_counters(&store),
             settings.timeout,
+            renewed,
         );
         Ok(store.with_renewals(Arc::new(renewals)))
     }

@@ -28,9 +28,38 @@ struct Message {
     ended: Vec<String>,
 }
 
+/// A message without its seq, which the commit puts in front (shifted
+/// by the same amount as the batch's events): `{"seq":N,` and the rest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Notice {
+    /// The message as JSON, without `seq`.
+    pub rest: String,
+    /// The batch's newest event, in the batch's count.
+    pub seq: Option<i64>,
+}
+
+impl Notice {
+    /// The payload as the commit's function sends it, with the seqs shifted
+    /// by `shift` (`pipeline::FUNCTION` builds the same text in SQL).
+    #[cfg(test)]
+    pub fn text(&self, shift: i64) -> String {
+        match self.seq {
+            None => self.rest.clone(),
+            Some(s) => format!("{{\"seq\":{},{}", s + shift, &self.rest[1..]),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Notifier {
     instance: String,
+}
+
+impl Notifier {
+    /// This server instance's id, new at every start.
+    pub(super) fn instance(&self) -> &str {
+        &self.instance
+    }
 }
 
 impl Notifier {
@@ -41,8 +70,10 @@ impl Notifier {
     }
 
     /// One message per chunk of ended resources, each under the payload
-    /// limit and each with the commit's newest seq.
-    pub(super) fn payloads(&self, effects: &[Effect]) -> Vec<String> {
+    /// limit and each with the commit's newest seq. The seqs of `effects`
+    /// are the batch's own count (`pipeline`): the commit's function puts
+    /// the seq in, shifted to the database's (`Notice::text`).
+    pub(super) fn payloads(&self, effects: &[Effect]) -> Vec<Notice> {
         let seq = effects
             .iter()
             .filter_map(|e| match e {
@@ -72,7 +103,13 @@ impl Notifier {
             .filter(|ended| seq.is_some() || !ended.is_empty())
             .filter_map(|ended| {
                 let from = self.instance.clone();
-                serde_json::to_string(&Message { from, seq, ended }).ok()
+                let rest = serde_json::to_string(&Message {
+                    from,
+                    seq: None,
+                    ended,
+                })
+                .ok()?;
+                Some(Notice { rest, seq })
             })
             .collect()
     }
@@ -164,9 +201,10 @@ mod tests {
         assert!(payloads.len() > 1);
         let mut ended = 0;
         for p in &payloads {
+            let p = p.text(1_000_000_000_000);
             assert!(p.len() < 8000, "{} bytes", p.len());
-            let m: Message = serde_json::from_str(p).expect("decodes");
-            assert_eq!(m.seq, Some(42));
+            let m: Message = serde_json::from_str(&p).expect("decodes");
+            assert_eq!(m.seq, Some(1_000_000_000_042));
             ended += m.ended.len();
         }
         assert_eq!(ended, 2000);

@@ -27,27 +27,72 @@ use sqlx::PgConnection;
 use sqlx::postgres::PgRow;
 
 use super::literal::{dollar_tag, execute};
+use super::notify::Notice;
+use crate::store::cache::Check;
 use crate::store::db::{Cols, Exec, Hot, Stmt, json_row};
 use crate::store::rows::{CURRENT_LOCKED, LEASE_LOCKED, NEXT_TOKEN, PORTS_OF, UPDATE_INTO_INSERT};
-use crate::store::sql::lease_cols;
+use crate::store::sql::{lease_cols, lease_current};
 use crate::store::{BoxFuture, Result, StoreError};
 use crate::time::Millis;
 
-/// Writes the queued rows of each kind (JSON arrays of rows): lease updates
-/// first (an update only keeps a lease current or ends it, and an ended
-/// lease must make way before a new current one on its resource is
-/// inserted), then lease inserts, events, token counters; moves the event
-/// counter to `last_seq` and sends the notifications. A temporary function,
-/// created on every connection (`install`): no migration carries it, and a
-/// holdfast of another version on the same database never sees it.
+/// Verifies the cache's checks (`cache::Check`: each raises `HF001`,
+/// `StoreError::Stale`, when it fails; the leases locked when `locking`,
+/// in a transaction that holds the fleet's lock), then writes the queued rows of each
+/// kind (JSON arrays of rows): lease updates first (an update only keeps a
+/// lease current or ends it, and an ended lease must make way before a new
+/// current one on its resource is inserted), then lease inserts, events,
+/// token counters; sends the notifications, records `marker` under
+/// `marker_key` (in `meta`) when given, and returns the shift of the
+/// batch's event seqs. The batch counts its events from 0 (`Pipeline::seq`,
+/// `seq_from` the count the database's counter stands at), and the function
+/// adds the counter's value to them, to the counter, and to the seq of each
+/// notification (`notify::Notice`). A temporary function, created on every
+/// connection (`install`): no migration carries it, and a holdfast of
+/// another version on the same database never sees it.
 const FUNCTION: &str = concat!(
     "CREATE OR REPLACE FUNCTION pg_temp.holdfast_write(
-        lease_updates jsonb, lease_inserts jsonb, new_events jsonb, tokens jsonb,
-        last_seq bigint, channel text, notices jsonb) RETURNS void LANGUAGE plpgsql AS $fn$
+        checks jsonb, locking boolean, lease_updates jsonb, lease_inserts jsonb, new_events jsonb,
+        tokens jsonb, seq_from bigint, channel text, notices jsonb,
+        marker_key text, marker text) RETURNS bigint LANGUAGE plpgsql AS $fn$
     DECLARE
         u jsonb;
         changed bigint;
+        shift bigint;
+        last bigint;
     BEGIN
+        FOR u IN SELECT value FROM jsonb_array_elements(checks) LOOP
+            IF u->>0 = 'lease' AND locking THEN
+                -- Locked, so that no renewal changes it before the writes.
+                PERFORM 1 FROM leases
+                    WHERE id = u->>1 AND xmin::text::bigint = (u->>2)::bigint FOR UPDATE;
+                IF NOT FOUND THEN
+                    RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'lease changed';
+                END IF;
+            ELSIF u->>0 = 'lease' THEN
+                -- Outside the fleet's lock (a batch that only read): rows
+                -- taken one after another could deadlock with a writer.
+                PERFORM 1 FROM leases
+                    WHERE id = u->>1 AND xmin::text::bigint = (u->>2)::bigint;
+                IF NOT FOUND THEN
+                    RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'lease changed';
+                END IF;
+            ELSIF u->>0 = 'free' THEN
+                PERFORM 1 FROM leases WHERE resource = u->>1 AND ",
+    lease_current!(),
+    ";
+                IF FOUND THEN
+                    RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'resource taken';
+                END IF;
+            ELSIF u->>0 = 'token' THEN
+                IF (SELECT last_token FROM resources WHERE resource = u->>1)
+                    IS DISTINCT FROM (u->>2)::bigint THEN
+                    RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'token moved';
+                END IF;
+            ELSIF (SELECT count(*) FROM ports WHERE owner_id = u->>1 AND released_at IS NULL)
+                <> (u->>2)::bigint THEN
+                RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'reservations changed';
+            END IF;
+        END LOOP;
         -- One by id each: a join with the array would be planned for a
         -- hundred rows, as a hash join over the whole table.
         FOR u IN SELECT value FROM jsonb_array_elements(lease_updates) LOOP
@@ -66,15 +111,24 @@ const FUNCTION: &str = concat!(
             (j->>8)::bigint, (j->>9)::bigint, (j->>10)::bigint, (j->>11)::bigint,
             (j->>12)::bigint, (j->>13)::bigint, j->>14, j->>15
             FROM jsonb_array_elements(lease_inserts) AS j;
-        INSERT INTO events (seq, at, body) SELECT (j->>0)::bigint, (j->>1)::bigint, j->>2
+        SELECT seq - seq_from INTO shift FROM event_seq;
+        INSERT INTO events (seq, at, body) SELECT (j->>0)::bigint + shift, (j->>1)::bigint, j->>2
             FROM jsonb_array_elements(new_events) AS j;
+        SELECT max((j->>0)::bigint) INTO last FROM jsonb_array_elements(new_events) AS j;
+        IF last IS NOT NULL THEN
+            UPDATE event_seq SET seq = last + shift;
+        END IF;
         INSERT INTO resources (resource, last_token) SELECT j->>0, (j->>1)::bigint
             FROM jsonb_array_elements(tokens) AS j
             ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token;
-        IF last_seq IS NOT NULL THEN
-            UPDATE event_seq SET seq = last_seq;
+        PERFORM pg_notify(channel, CASE WHEN n->>1 IS NULL THEN n->>0
+                ELSE '{\"seq\":' || ((n->>1)::bigint + shift) || ',' || substr(n->>0, 2) END)
+            FROM jsonb_array_elements(notices) AS n;
+        IF marker_key IS NOT NULL THEN
+            INSERT INTO meta (key, value) VALUES (marker_key, marker)
+                ON CONFLICT (key) DO UPDATE SET value = excluded.value;
         END IF;
-        PERFORM pg_notify(channel, p) FROM jsonb_array_elements_text(notices) AS p;
+        RETURN shift;
     END
     $fn$"
 );
@@ -141,10 +195,18 @@ const BEGIN: &str = "BEGIN; SELECT txid_current(), seq FROM event_seq FOR UPDATE
 
 /// The rows of each statement of the simple query `sql`.
 fn simple(conn: &mut PgConnection, sql: String) -> BoxFuture<'_, Result<Vec<Vec<PgRow>>>> {
+    Box::pin(async move { simple_raw(conn, sql).await.map_err(super::map_err) })
+}
+
+/// `simple`, with the driver's error.
+fn simple_raw(
+    conn: &mut PgConnection,
+    sql: String,
+) -> BoxFuture<'_, std::result::Result<Vec<Vec<PgRow>>, sqlx::Error>> {
     Box::pin(async move {
         let mut out = vec![Vec::new()];
         let mut items = sqlx::Executor::fetch_many(conn, sql.as_str());
-        while let Some(item) = items.try_next().await.map_err(super::map_err)? {
+        while let Some(item) = items.try_next().await? {
             match item {
                 // A statement's end.
                 sqlx::Either::Left(_) => out.push(Vec::new()),
@@ -164,13 +226,29 @@ fn simple(conn: &mut PgConnection, sql: String) -> BoxFuture<'_, Result<Vec<Vec<
 pub struct Pipeline<'c> {
     conn: &'c mut PgConnection,
     /// The transaction's id, once BEGIN went out: with the batch's first
-    /// read when it can carry it, else alone.
+    /// read when it can carry it, else alone, else with the commit.
     txid: Option<i64>,
+    /// The database's event seq when the transaction took the fleet's
+    /// lock: what the batch's own count of events is shifted by.
+    base: Option<i64>,
     /// A statement of the current job failed (which aborts the transaction).
     pub failed: bool,
+    /// The commit that went out with BEGIN (so with no id known before it)
+    /// recorded its marker: should its answer be lost, the marker tells
+    /// whether it committed.
+    pub marked: bool,
+    /// The commit failed without an answer from the database (the
+    /// connection broke): it may have committed.
+    pub lost: bool,
     queue: Queue,
-    /// The last event seq handed out, queued events included.
+    /// Checks of the cache's entries not verified yet: they go with the
+    /// next write, before it.
+    checks: Vec<Check>,
+    /// Events handed out in this batch, queued ones included: their seqs
+    /// are counted from 0 until the commit's function shifts them.
     seq: i64,
+    /// Events already written (by an earlier `send_queue`).
+    sent_seq: i64,
     /// The resource of each lease read in this transaction.
     seen: HashMap<String, String>,
     /// Statements sent, for /metrics.
@@ -189,15 +267,35 @@ fn text_at(row: &Value, i: usize) -> String {
     row.get(i).and_then(Value::as_str).unwrap_or("").to_owned()
 }
 
+/// The checks as the commit's function reads them.
+fn checks_json(checks: &[Check]) -> Value {
+    Value::Array(
+        checks
+            .iter()
+            .map(|c| match c {
+                Check::Lease { id, version } => json!(["lease", id, version]),
+                Check::Free { resource } => json!(["free", resource]),
+                Check::Token { resource, last } => json!(["token", resource, last]),
+                Check::Ports { owner, count } => json!(["ports", owner, count]),
+            })
+            .collect(),
+    )
+}
+
 impl<'c> Pipeline<'c> {
     /// For a transaction not begun yet on `conn`.
     pub fn new(conn: &'c mut PgConnection) -> Self {
         Self {
             conn,
             txid: None,
+            base: None,
             failed: false,
+            marked: false,
+            lost: false,
             queue: Queue::default(),
+            checks: Vec::new(),
             seq: 0,
+            sent_seq: 0,
             seen: HashMap::new(),
             round_trips: 0,
         }
@@ -225,11 +323,18 @@ impl<'c> Pipeline<'c> {
         let out = simple(self.conn, sql).await;
         // BEGIN's own result first.
         let mut results = self.note(out)?.into_iter().skip(1);
-        let lock = results.next().and_then(|rows| rows.into_iter().next());
+        self.took_lock(results.next())?;
+        Ok(results.next().unwrap_or_default())
+    }
+
+    /// The row of the fleet's lock (`BEGIN`): the transaction's id and the
+    /// event seq.
+    fn took_lock(&mut self, rows: Option<Vec<PgRow>>) -> Result<()> {
+        let lock = rows.and_then(|rows| rows.into_iter().next());
         let lock = lock.ok_or_else(|| StoreError::Other("event_seq has no row".into()))?;
         self.txid = Some(lock.int(0)?);
-        self.seq = lock.int(1)?;
-        Ok(results.next().unwrap_or_default())
+        self.base = Some(lock.int(1)?);
+        Ok(())
     }
 
     async fn begun(&mut self) -> Result<()> {
@@ -280,61 +385,123 @@ impl<'c> Pipeline<'c> {
         }
     }
 
-    /// The call of `holdfast_write` for what is queued (the queue is left
-    /// empty) and `notices` (JSON messages) on `channel`. Its values are
-    /// dollar-quoted literals: no escapes inside, and a tag that none of
-    /// them contains.
-    fn write_call(&mut self, channel: &str, notices: &[String]) -> String {
+    /// The call of `holdfast_write` for the checks and what is queued
+    /// (both left empty), `notices` on `channel`, and `marker` (key and
+    /// value) if any. Its values are dollar-quoted literals: no escapes
+    /// inside, and a tag that none of them contains.
+    fn write_call(
+        &mut self,
+        channel: &str,
+        notices: &[Notice],
+        marker: Option<(&str, &str)>,
+    ) -> String {
         let q = std::mem::take(&mut self.queue);
-        let last_seq = match q.events.is_empty() {
-            true => "NULL".to_owned(),
-            false => self.seq.to_string(),
-        };
+        let checks = std::mem::take(&mut self.checks);
+        let seq_from = self.sent_seq;
+        self.sent_seq = self.seq;
         let text = |rows: Vec<Value>| Value::Array(rows).to_string();
+        let notices: Vec<Value> = notices.iter().map(|n| json!([n.rest, n.seq])).collect();
+        let locking = self.txid.is_some() || marker.is_some();
+        let (key, value) = marker.unwrap_or_default();
         let values = [
+            checks_json(&checks).to_string(),
             text(q.updates),
             text(q.inserts),
             text(q.events),
             text(q.tokens),
-            json!(notices).to_string(),
+            text(notices),
             channel.to_owned(),
+            key.to_owned(),
+            value.to_owned(),
         ];
         let tag = dollar_tag(&values.each_ref().map(String::as_str));
-        let [updates, inserts, events, tokens, notices, channel] =
-            values.map(|v| format!("{tag}{v}{tag}"));
+        let [
+            checks,
+            updates,
+            inserts,
+            events,
+            tokens,
+            notices,
+            channel,
+            key,
+            value,
+        ] = values.map(|v| format!("{tag}{v}{tag}"));
+        let (key, value) = match marker {
+            Some(_) => (key, value),
+            None => ("NULL".to_owned(), "NULL".to_owned()),
+        };
         format!(
-            "SELECT pg_temp.holdfast_write({updates}::jsonb, {inserts}::jsonb, \
-             {events}::jsonb, {tokens}::jsonb, {last_seq}, {channel}, {notices}::jsonb)"
+            "SELECT pg_temp.holdfast_write({checks}::jsonb, {locking}, {updates}::jsonb, {inserts}::jsonb, \
+             {events}::jsonb, {tokens}::jsonb, {seq_from}, {channel}, {notices}::jsonb, \
+             {key}, {value})"
         )
     }
 
-    /// Write what is queued, before a statement that may see it.
+    /// Verify the checks and write what is queued, before a statement that
+    /// may see the writes or write itself.
     async fn send_queue(&mut self) -> Result<()> {
-        if self.queue.is_empty() {
+        if self.queue.is_empty() && self.checks.is_empty() {
             return Ok(());
         }
-        let call = self.write_call("", &[]);
+        let call = self.write_call("", &[], None);
         self.round_trips += 1;
         let out = exec(self.conn, call).await;
         self.note(out)
     }
 
-    /// Write what is queued, send `notices` on `channel`, and COMMIT, in one
-    /// round trip: one simple query of two statements. An error leaves the
+    /// Verify the checks, write what is queued, send `notices` on
+    /// `channel`, and COMMIT, in one round trip; the shift of the batch's
+    /// event seqs (see `FUNCTION`), if it could be read. A transaction not begun yet begins in
+    /// the same round trip, and records `marker` (its id is not known
+    /// before its answer). A batch that only read, from the cache, verifies
+    /// its checks in one statement of its own. An error leaves the
     /// transaction open (aborted, when the write failed) for the caller to
     /// roll back.
-    pub async fn commit(&mut self, channel: &str, notices: &[String]) -> Result<()> {
-        if self.queue.is_empty() && notices.is_empty() {
-            if self.txid.is_none() {
-                return Ok(());
+    pub async fn commit(
+        &mut self,
+        channel: &str,
+        notices: &[Notice],
+        marker: (&str, &str),
+    ) -> Result<Option<i64>> {
+        let writes = !(self.queue.is_empty() && notices.is_empty());
+        let checked = !self.checks.is_empty();
+        let sql = match (self.txid, writes) {
+            (None, false) if !checked => return Ok(Some(0)),
+            (None, false) => self.write_call(channel, &[], None),
+            (Some(_), false) if !checked => "COMMIT".to_owned(),
+            (Some(_), _) => {
+                let call = self.write_call(channel, notices, None);
+                format!("{call}; COMMIT")
             }
-            self.round_trips += 1;
-            return exec(self.conn, "COMMIT").await;
-        }
-        self.begun().await?;
-        let call = self.write_call(channel, notices);
+            (None, true) => {
+                self.marked = true;
+                let call = self.write_call(channel, notices, Some(marker));
+                format!("{BEGIN}; {call}; COMMIT")
+            }
+        };
         self.round_trips += 1;
-        exec(self.conn, format!("{call}; COMMIT")).await
+        let out = match simple_raw(self.conn, sql).await {
+            Ok(out) => out,
+            Err(e) => {
+                self.lost = !matches!(e, sqlx::Error::Database(_));
+                return Err(super::map_err(e));
+            }
+        };
+        // Committed: what follows only tells more. Should it not read
+        // (it cannot, short of a bug), the transaction's id and the shift
+        // stay unknown (None), not the commit.
+        let mut results = out.into_iter();
+        if self.marked {
+            // BEGIN's, then the lock's.
+            results.next();
+            let _ = self.took_lock(results.next());
+        }
+        Ok(
+            match results.next().and_then(|rows| rows.into_iter().next()) {
+                Some(row) if writes || checked => row.int(0).ok(),
+                _ => self.base,
+            },
+        )
     }
 
     fn queue_update(&mut self, row: Value) {
@@ -452,23 +619,27 @@ impl Exec for Pipeline<'_> {
         Box::pin(async { Ok(()) })
     }
 
+    /// Queued, under the batch's own count (see `FUNCTION`): no round trip
+    /// to learn the database's seq first.
     fn append_event<'a>(&'a mut self, at: Millis, body: &'a str) -> BoxFuture<'a, Result<i64>> {
-        Box::pin(async move {
-            self.begun().await?;
-            self.seq += 1;
-            self.queue.events.push(json!([self.seq, at, body]));
-            Ok(self.seq)
-        })
+        self.seq += 1;
+        self.queue.events.push(json!([self.seq, at, body]));
+        let seq = self.seq;
+        Box::pin(async move { Ok(seq) })
     }
 
     fn last_event_seq(&mut self) -> BoxFuture<'_, Result<i64>> {
         Box::pin(async move {
             self.begun().await?;
-            Ok(self.seq)
+            Ok(self.base.unwrap_or(0) + self.seq)
         })
     }
 
     fn locks_rows(&self) -> bool {
         true
+    }
+
+    fn guard(&mut self, checks: Vec<Check>) {
+        self.checks.extend(checks);
     }
 }

@@ -21,8 +21,10 @@ use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::oneshot;
 
 use super::map_err;
+use super::writer::Renewed;
 use crate::model::LeaseRecord;
 use crate::store::counters::WriteCounters;
+use crate::store::db::Cols;
 use crate::store::db::conn_err;
 use crate::store::rows::lease_row;
 use crate::store::sql::{lease_cols, lease_current};
@@ -95,21 +97,25 @@ const FUNCTION: &str = concat!(
 
 /// A lone renewal (`$1`.. its lease id, token, TTL and instant): the same
 /// statement as the function's, without the function's call, 10% more
-/// renewals per second at C=1 (`scripts/bench-compare`, 3 runs).
+/// renewals per second at C=1 (`scripts/bench-compare`, 3 runs). Column 16
+/// is the statement's transaction, which is the renewed row's version
+/// (`cache::Version`), for the writer's cache.
 const RENEW_ONE: &str = concat!(
     "UPDATE leases SET ttl_ms = COALESCE($3, ttl_ms), \
      expires_at = $4 + COALESCE($3, ttl_ms), renewed_at = $4 \
      WHERE id = (SELECT id FROM leases WHERE id = $1 FOR UPDATE SKIP LOCKED) AND ",
     renewable!("$2", "$4"),
     " RETURNING ",
-    lease_cols!()
+    lease_cols!(),
+    ", txid_current() % 4294967296"
 );
 
 /// A group's renewals, in autocommit: one round trip and one commit.
 const RENEW: &str = concat!(
     "SELECT ",
     lease_cols!(),
-    " FROM pg_temp.holdfast_renew($1::text[], $2::bigint[], $3::bigint[], $4::bigint[])"
+    ", txid_current() % 4294967296 \
+     FROM pg_temp.holdfast_renew($1::text[], $2::bigint[], $3::bigint[], $4::bigint[])"
 );
 
 struct Renewal {
@@ -142,6 +148,8 @@ pub struct Renewals {
     /// 2,146 on a kept connection, `scripts/bench-compare`, 3 runs). Locked
     /// for the whole of a send, so that `close` waits for the statement out.
     line: tokio::sync::Mutex<Option<Line>>,
+    /// Where the writer's cache learns what was renewed.
+    renewed: Arc<Renewed>,
     /// How long connecting, or checking an idle line, may take
     /// (`--database-timeout-ms`); a statement may take three times that,
     /// as a write batch may: past it, the line is dropped and the group
@@ -150,10 +158,16 @@ pub struct Renewals {
 }
 
 impl Renewals {
-    pub fn new(pool: PgPool, counters: WriteCounters, timeout: Duration) -> Arc<Self> {
+    pub fn new(
+        pool: PgPool,
+        counters: WriteCounters,
+        timeout: Duration,
+        renewed: Arc<Renewed>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             pool,
             counters,
+            renewed,
             state: Mutex::default(),
             line: tokio::sync::Mutex::default(),
             timeout,
@@ -255,11 +269,15 @@ impl Renewals {
         };
         *line = Some((conn, Instant::now()));
         drop(line);
-        let renewed = rows.iter().map(lease_row).collect::<Result<Vec<_>>>()?;
+        let renewed = rows
+            .iter()
+            .map(|r| Ok((lease_row(r)?, r.int(16)?)))
+            .collect::<Result<Vec<_>>>()?;
         if !renewed.is_empty() {
             self.counters.ran(true, renewed.len());
         }
-        Ok(renewed)
+        self.renewed.push(renewed.iter().cloned());
+        Ok(renewed.into_iter().map(|(l, _)| l).collect())
     }
 
     /// The statement of `group` on `conn`, in at most three times the

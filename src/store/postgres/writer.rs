@@ -4,9 +4,9 @@
 //! each: that would add two round trips to every job, and a job fails only
 //! when the database or the code does (see `run_batch`).
 //!
-//! Every transaction first locks the one row of `event_seq`. That serializes
-//! the writes of the whole fleet: each job re-checks its preconditions with
-//! no other writer in between (the same guarantee SQLite's single writer
+//! Every transaction locks the one row of `event_seq`. That serializes the
+//! writes of the whole fleet: each job re-checks its preconditions with no
+//! other writer in between (the same guarantee SQLite's single writer
 //! gives), no two transactions can deadlock, and event seqs become visible
 //! in the order they were taken. The cost is one fleet-wide writer at a
 //! time, which group commit spreads over many requests per round trip, and
@@ -14,15 +14,24 @@
 //! leases do without it (one statement each, `SqlStore::renew_unowned`):
 //! that is why these transactions read the leases they may change with a
 //! row lock.
+//!
+//! The writer remembers the rows it read and wrote between its
+//! transactions (a guarded `Cache`), so that a batch whose reads it answers
+//! from memory sends BEGIN, the lock, the checks of what it took from
+//! memory, its writes and COMMIT as one round trip. Should a check fail
+//! (another host or a renewal changed the row), nothing is kept, the cache
+//! is cleared, and the jobs run again on fresh reads (`StoreError::Stale`,
+//! `Store::write`). Its transactions go on a connection of its own, kept
+//! between batches (`Line`).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
-use sqlx::pool::PoolConnection;
-use sqlx::{PgPool, Postgres};
+use sqlx::{Connection, PgConnection, PgPool};
 
 use super::pipeline::{Pipeline, exec};
+use crate::model::LeaseRecord;
 use crate::store::cache::Cache;
 use crate::store::counters::WriteCounters;
 use crate::store::db::conn_err;
@@ -33,12 +42,64 @@ use crate::store::{BoxFuture, CommitListener, Effect, JobOutput, Result, StoreEr
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::oneshot;
 
+/// Leases renewed outside the writer's transactions (`renewals`), with
+/// their row versions, for the writer's cache to learn at its next batch.
+#[derive(Default)]
+pub struct Renewed(Mutex<Vec<(LeaseRecord, i64)>>);
+
+/// Past this many renewals not yet learned, the older are forgotten: the
+/// cache's checks catch what it does not learn.
+const RENEWED_CAP: usize = 4096;
+
+impl Renewed {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(LeaseRecord, i64)>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn push(&self, renewed: impl IntoIterator<Item = (LeaseRecord, i64)>) {
+        let mut known = self.lock();
+        known.extend(renewed);
+        if known.len() > RENEWED_CAP {
+            let extra = known.len() - RENEWED_CAP;
+            known.drain(..extra);
+        }
+    }
+
+    fn take(&self) -> Vec<(LeaseRecord, i64)> {
+        std::mem::take(&mut *self.lock())
+    }
+}
+
+/// The writer's connection, kept from one batch to the next (the pool's
+/// are checked by sqlx with a round trip when handed out and another when
+/// given back), and its server process, which the lost-answer check waits
+/// out (`settle`).
+struct Line {
+    conn: PgConnection,
+    pid: i32,
+    /// The process's `backend_start`, as text: a pid is used again.
+    started: String,
+    idle_since: Instant,
+    /// Connected or pinged for this batch: a failure on it is not the
+    /// idle cut of a connection reused unchecked.
+    checked: bool,
+}
+
+/// A line used again within this time of its last batch is not checked
+/// first; one that failed is dropped, and the next batch opens another.
+const IDLE_PING: Duration = Duration::from_secs(1);
+
 struct Writer {
     pool: PgPool,
     listener: Arc<dyn CommitListener>,
     notify: super::notify::Notifier,
     batch_limit: Duration,
     round_trips: Counter,
+    line: Mutex<Option<Line>>,
+    cache: Mutex<Cache>,
+    renewed: Arc<Renewed>,
+    /// Batches that began with their commit, for their markers.
+    marked: std::sync::atomic::AtomicU64,
 }
 
 pub(super) fn start(
@@ -46,14 +107,13 @@ pub(super) fn start(
     listener: Arc<dyn CommitListener>,
     notify: super::notify::Notifier,
     batch_limit: Duration,
+    renewed: Arc<Renewed>,
 ) -> Arc<dyn Writes> {
     let counters = WriteCounters::default();
+    let writer = Writer::new(pool, listener, notify, batch_limit, renewed);
     let writer = Writer {
-        pool,
-        listener,
-        notify,
-        batch_limit,
         round_trips: counters.round_trips.clone(),
+        ..writer
     };
     Arc::new(GroupCommit::new(writer, counters))
 }
@@ -74,22 +134,14 @@ impl Batches for Writer {
             }
         })
     }
-}
 
-/// A batch's connection, closed rather than returned to the pool when it
-/// is dropped with its transaction open: when the batch ran past its time
-/// limit and was dropped (see `run`), or its COMMIT or ROLLBACK failed. A
-/// renewal or a batch that got it next would run inside that transaction.
-struct InTx {
-    conn: PoolConnection<Postgres>,
-    open: bool,
-}
-
-impl Drop for InTx {
-    fn drop(&mut self) {
-        if self.open {
-            self.conn.close_on_drop();
-        }
+    fn close(&self) -> BoxFuture<'_, ()> {
+        let line = self.take_line();
+        Box::pin(async move {
+            if let Some(line) = line {
+                let _ = line.conn.close().await;
+            }
+        })
     }
 }
 
@@ -102,65 +154,216 @@ const FIRST_ASK_PAUSE: Duration = Duration::from_millis(20);
 const LONGEST_ASK_PAUSE: Duration = Duration::from_secs(1);
 const ASK_LIMIT: Duration = Duration::from_secs(5);
 
-/// Whether transaction `txid` committed (`txid_status`, made for a COMMIT
-/// whose answer was lost), asked on an idle connection of the pool, or
-/// else on a plain one of its own: without the pool's setup
-/// (`pipeline::install`), each try is one connect and one statement, and
-/// does not wait for a full pool. None when the database cannot tell in
-/// time.
-async fn committed(pool: &PgPool, txid: i64) -> Option<bool> {
+/// Ask `ask` on a connection until it answers Some, or `RESOLVE_FOR`
+/// passes (None then): on an idle connection of the pool, or else on a
+/// plain one of its own (without the pool's setup, `pipeline::install`,
+/// each try is one connect and one statement, and does not wait for a full
+/// pool).
+async fn keep_asking<T, F>(pool: &PgPool, what: &str, ask: F) -> Option<T>
+where
+    F: for<'c> Fn(
+        &'c mut PgConnection,
+    ) -> BoxFuture<'c, std::result::Result<Option<T>, sqlx::Error>>,
+{
     let deadline = tokio::time::Instant::now() + RESOLVE_FOR;
     let mut pause = FIRST_ASK_PAUSE;
     while tokio::time::Instant::now() < deadline {
         // A try that hangs (a half-open socket) gives way to the next.
-        let status = tokio::time::timeout(ASK_LIMIT, txid_status(pool, txid)).await;
-        match status.as_ref().map(|s| s.as_ref().map(Option::as_deref)) {
-            Ok(Ok(Some("committed"))) => return Some(true),
-            Ok(Ok(Some("aborted") | None)) => return Some(false),
-            // Still in progress (its backend has not seen the cut yet),
-            // or the database is not back yet.
-            Ok(Ok(Some(_)) | Err(_)) | Err(_) => {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(LONGEST_ASK_PAUSE);
-            }
+        if let Ok(Ok(Some(answer))) =
+            tokio::time::timeout(ASK_LIMIT, on_a_connection(pool, &ask)).await
+        {
+            return Some(answer);
         }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(LONGEST_ASK_PAUSE);
     }
-    tracing::warn!(
-        txid,
-        "cannot tell whether a COMMIT whose answer was lost committed"
-    );
+    tracing::warn!("cannot tell whether {what} committed");
     None
 }
 
-async fn txid_status(pool: &PgPool, txid: i64) -> std::result::Result<Option<String>, sqlx::Error> {
-    use sqlx::Connection;
-    fn ask<'c>(
-        conn: &'c mut sqlx::PgConnection,
-        txid: i64,
-    ) -> BoxFuture<'c, std::result::Result<Option<String>, sqlx::Error>> {
-        Box::pin(
-            sqlx::query_scalar("SELECT txid_status($1)")
-                .bind(txid)
-                .fetch_one(conn),
-        )
-    }
+async fn on_a_connection<T, F>(
+    pool: &PgPool,
+    ask: &F,
+) -> std::result::Result<Option<T>, sqlx::Error>
+where
+    F: for<'c> Fn(
+        &'c mut PgConnection,
+    ) -> BoxFuture<'c, std::result::Result<Option<T>, sqlx::Error>>,
+{
     if let Some(mut conn) = pool.try_acquire() {
-        let status = ask(&mut conn, txid).await;
-        if status.is_ok() {
-            return status;
+        let answer = ask(&mut conn).await;
+        if answer.is_ok() {
+            return answer;
         }
         // Cut with the COMMIT's, most likely: not to be handed out again.
         conn.close_on_drop();
     }
     let opts = pool.connect_options();
-    let fut: BoxFuture<'_, _> = Box::pin(sqlx::PgConnection::connect_with(&opts));
+    let fut: BoxFuture<'_, _> = Box::pin(PgConnection::connect_with(&opts));
     let mut conn = fut.await?;
-    let status = ask(&mut conn, txid).await;
+    let answer = ask(&mut conn).await;
     let _ = conn.close().await;
-    status
+    answer
+}
+
+/// Whether transaction `txid` committed (`txid_status`, made for a COMMIT
+/// whose answer was lost); None while it is still in progress (its backend
+/// has not seen the cut yet).
+fn txid_status(
+    conn: &mut PgConnection,
+    txid: i64,
+) -> BoxFuture<'_, std::result::Result<Option<bool>, sqlx::Error>> {
+    Box::pin(async move {
+        let status: Option<String> = sqlx::query_scalar("SELECT txid_status($1)")
+            .bind(txid)
+            .fetch_one(conn)
+            .await?;
+        Ok(match status.as_deref() {
+            Some("committed") => Some(true),
+            Some("aborted") | None => Some(false),
+            Some(_) => None,
+        })
+    })
+}
+
+/// Whether the commit that recorded `marker` under `key` did, once the
+/// server process `pid` that ran it (started at `started`) is gone; None
+/// while it is not. That process serves no one since its connection broke:
+/// it is ended, should it still be waiting on its socket.
+fn marker_status(
+    conn: &mut PgConnection,
+    (pid, started, key, marker): (i32, String, String, String),
+) -> BoxFuture<'_, std::result::Result<Option<bool>, sqlx::Error>> {
+    Box::pin(async move {
+        let alive: Option<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE pid = $1 AND backend_start::text = $2",
+        )
+        .bind(pid)
+        .bind(&started)
+        .fetch_optional(&mut *conn)
+        .await?;
+        if alive.is_some() {
+            return Ok(None);
+        }
+        let value: Option<String> = sqlx::query_scalar("SELECT value FROM meta WHERE key = $1")
+            .bind(&key)
+            .fetch_optional(conn)
+            .await?;
+        Ok(Some(value == Some(marker)))
+    })
 }
 
 impl Writer {
+    fn new(
+        pool: PgPool,
+        listener: Arc<dyn CommitListener>,
+        notify: super::notify::Notifier,
+        batch_limit: Duration,
+        renewed: Arc<Renewed>,
+    ) -> Self {
+        Self {
+            pool,
+            listener,
+            notify,
+            batch_limit,
+            round_trips: Counter::default(),
+            line: Mutex::new(None),
+            cache: Mutex::new(Cache::guarded()),
+            renewed,
+            marked: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn take_line(&self) -> Option<Line> {
+        self.line
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// The kept line if it was used within `IDLE_PING` or answers a ping,
+    /// else a new one.
+    async fn line(&self) -> Result<Line> {
+        if let Some(mut line) = self.take_line() {
+            line.checked = line.idle_since.elapsed() >= IDLE_PING;
+            if !line.checked {
+                return Ok(line);
+            }
+            let ping: BoxFuture<'_, _> = Box::pin(line.conn.ping());
+            if let Ok(Ok(())) = tokio::time::timeout(ASK_LIMIT, ping).await {
+                return Ok(line);
+            }
+        }
+        let connect: BoxFuture<'_, std::result::Result<Line, sqlx::Error>> = Box::pin(async {
+            let opts = self.pool.connect_options();
+            let mut conn = PgConnection::connect_with(&opts).await?;
+            super::pipeline::install(&mut conn).await?;
+            let (pid, started): (i32, String) = sqlx::query_as(
+                "SELECT pid, backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+            )
+            .fetch_one(&mut conn)
+            .await?;
+            // Markers of servers gone for a day (see `marker`).
+            sqlx::query(
+                "DELETE FROM meta WHERE key LIKE 'writer:%' \
+                 AND split_part(value, ' ', 1)::bigint < $1",
+            )
+            .bind(crate::time::now_ms() - 86_400_000)
+            .execute(&mut conn)
+            .await?;
+            Ok(Line {
+                conn,
+                pid,
+                started,
+                idle_since: Instant::now(),
+                checked: true,
+            })
+        });
+        match tokio::time::timeout(self.batch_limit, connect).await {
+            Ok(line) => line.map_err(|e| conn_err(&self.pool, e)),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "could not connect to PostgreSQL within {:?}",
+                self.batch_limit
+            ))),
+        }
+    }
+
+    /// The cache, with what renewals taught since the last batch, for a
+    /// new transaction. Taken out while the batch runs: a batch dropped
+    /// mid-way (`run`) leaves an empty one.
+    fn take_cache(&self) -> Cache {
+        let mut cache = std::mem::replace(
+            &mut *self.cache.lock().unwrap_or_else(PoisonError::into_inner),
+            Cache::guarded(),
+        );
+        for (rec, version) in self.renewed.take() {
+            cache.renewed(&rec, version);
+        }
+        cache.begin();
+        cache
+    }
+
+    fn keep(&self, line: Line, cache: Cache) {
+        *self.line.lock().unwrap_or_else(PoisonError::into_inner) = Some(Line {
+            idle_since: Instant::now(),
+            ..line
+        });
+        *self.cache.lock().unwrap_or_else(PoisonError::into_inner) = cache;
+    }
+
+    /// This server's marker key, and a value no other batch of it records:
+    /// the instant (for the removal of old keys), and a count.
+    fn marker(&self) -> (String, String) {
+        let n = self
+            .marked
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (
+            format!("writer:{}", self.notify.instance()),
+            format!("{} {n}", crate::time::now_ms()),
+        )
+    }
+
     /// Answer the jobs of a batch whose COMMIT (transaction `txid`) failed
     /// with `e`, once the database tells whether it committed. On a task
     /// of its own: the next batches need not wait for the answer, since
@@ -169,41 +372,80 @@ impl Writer {
     fn resolve(&self, txid: i64, e: StoreError, done: Done, effects: Vec<Effect>) {
         let (pool, listener) = (self.pool.clone(), self.listener.clone());
         tokio::spawn(async move {
-            match committed(&pool, txid).await {
-                Some(true) => {
-                    tracing::info!(txid, "a COMMIT whose answer was lost had committed");
-                    answer(listener.as_ref(), done, &effects);
-                }
-                Some(false) => {
-                    tracing::warn!(txid, error = %e, "a COMMIT whose answer was lost had not committed");
-                    fail_done(done, &e);
-                }
-                None => fail_done(done, &StoreError::OutcomeUnknown(e.to_string())),
-            }
+            let status = keep_asking(&pool, "a COMMIT whose answer was lost", |c| {
+                txid_status(c, txid)
+            })
+            .await;
+            settled(listener.as_ref(), status, e, done, &effects);
         });
+    }
+
+    /// As `resolve`, for a commit that began the transaction, so that its
+    /// id never came back: its marker tells, once its server process is
+    /// gone. Waited for: the next batch of this server records its marker
+    /// under the same key.
+    async fn settle(
+        &self,
+        line: &Line,
+        marker: &(String, String),
+        e: StoreError,
+        done: Done,
+        effects: Vec<Effect>,
+    ) {
+        let (key, value) = marker;
+        let status = keep_asking(&self.pool, "a commit whose answer was lost", |c| {
+            let asked = (line.pid, line.started.clone(), key.clone(), value.clone());
+            marker_status(c, asked)
+        })
+        .await;
+        // Not kept, for certain, and no other transaction of this batch's
+        // is left: its jobs run again.
+        let e = match status {
+            Some(false) => StoreError::Stale,
+            _ => e,
+        };
+        settled(self.listener.as_ref(), status, e, done, &effects);
     }
 
     /// Run `batch`; the jobs that did not run, to be queued again.
     async fn run_batch(&self, batch: Vec<Job>) -> Vec<Job> {
-        let mut conn = match self.pool.acquire().await {
-            Ok(conn) => InTx { conn, open: true },
+        let mut line = match self.line().await {
+            Ok(line) => line,
             Err(e) => {
-                let e = conn_err(&self.pool, e);
                 fail(batch.into_iter().map(|j| j.reply), &e);
                 return Vec::new();
             }
         };
-        // BEGIN and the fleet's lock go with the first job's first read.
-        let mut pipe = Pipeline::new(&mut conn.conn);
-        // What this transaction read and wrote: it holds the fleet's lock
-        // and its row locks, so no one else changes those rows meanwhile.
-        let mut cache = Cache::default();
+        let mut cache = self.take_cache();
+        if batch.iter().any(|j| j.fresh) {
+            cache.clear();
+        }
+        let (left, kept) = self.run_on(&mut line, &mut cache, batch).await;
+        if kept {
+            self.keep(line, cache);
+        }
+        left
+    }
+
+    /// Run `batch` on `line` with `cache`; the jobs left to queue again,
+    /// and whether the line (with no transaction open) and the cache may
+    /// serve the next batch.
+    async fn run_on(
+        &self,
+        line: &mut Line,
+        cache: &mut Cache,
+        batch: Vec<Job>,
+    ) -> (Vec<Job>, bool) {
+        let checked = line.checked;
+        // BEGIN and the fleet's lock go with the first job's first read,
+        // or with the commit.
+        let mut pipe = Pipeline::new(&mut line.conn);
         let mut done = Vec::with_capacity(batch.len());
         let mut effects = Vec::new();
         let mut jobs = batch.into_iter();
         while let Some(job) = jobs.next() {
             pipe.failed = false;
-            let mut tx = SqlTx::new(&mut pipe, Some(&mut cache));
+            let mut tx = SqlTx::new(&mut pipe, Some(&mut *cache));
             let out = std::panic::AssertUnwindSafe((job.run)(&mut tx))
                 .catch_unwind()
                 .await
@@ -233,15 +475,22 @@ impl Writer {
                     // job's partial writes cannot be undone alone, so the
                     // batch is rolled back. Refusals are values, not errors:
                     // only a database or code failure gets here. The jobs
-                    // that ran with it were not kept and may be retried; those
+                    // that ran with it were not kept and run again; those
                     // that did not run yet go back to the queue.
+                    cache.clear();
                     let begun = pipe.txid().is_some();
                     let rolled_back = exec(pipe.conn(), "ROLLBACK").await.is_ok();
-                    conn.open = !rolled_back;
+                    // A kept line cut while it was idle (a database restart,
+                    // a proxy's idle timeout): no COMMIT went out, and the job
+                    // runs again on a new one.
+                    let e = match e {
+                        StoreError::Unavailable(_) if !checked => StoreError::Stale,
+                        e => e,
+                    };
                     // The transaction did not begin (its lock not taken in
                     // time, the database gone): every job fails alike, and
                     // none waits for that again.
-                    let left = match begun {
+                    let left = match begun || !pipe.failed || matches!(e, StoreError::Stale) {
                         true => jobs.collect(),
                         false => {
                             fail(jobs.map(|j| j.reply), &e);
@@ -249,37 +498,93 @@ impl Writer {
                         }
                     };
                     let _ = job.reply.send(Err(e));
-                    fail_done(done, &StoreError::Busy);
-                    return left;
+                    fail_done(done, &StoreError::Stale);
+                    return (left, rolled_back);
                 }
             }
         }
-        // The queued writes, the notifications (delivered to the other
-        // hosts only if this commits) and COMMIT, in one round trip.
+        // The checks, the queued writes, the notifications (delivered to
+        // the other hosts only if this commits) and COMMIT, in one round
+        // trip.
         let notices = self.notify.payloads(&effects);
-        let committed = pipe.commit(super::notify::CHANNEL, &notices).await;
-        let txid = pipe.txid();
+        let marker = self.marker();
+        let committed = pipe
+            .commit(super::notify::CHANNEL, &notices, (&marker.0, &marker.1))
+            .await;
+        let (txid, marked, lost) = (pipe.txid(), pipe.marked, pipe.lost);
         self.round_trips.inc_by(pipe.round_trips);
-        conn.open = committed.is_err();
-        if let Err(e) = committed {
-            let _ = exec(&mut conn.conn, "ROLLBACK").await;
-            // Closed now: the question goes on a connection of its own.
-            drop(conn);
-            // A COMMIT whose answer was lost may have committed: waiters
-            // here look again (this host ignores its own notifications).
-            self.listener.committed(&[Effect::Missed]);
-            // Answered as it went: a request whose change was kept is
-            // answered so, and its retry meets its own answer, not its own
-            // lease as another's.
-            match txid {
-                Some(txid) => self.resolve(txid, e, done, effects),
-                // BEGIN itself failed with it.
-                None => fail_done(done, &e),
+        let shift = match committed {
+            Ok(shift) => shift,
+            Err(e) => {
+                cache.clear();
+                // A batch that only read checked in autocommit: nothing is open.
+                let rolled_back = match txid.is_some() || marked {
+                    true => exec(&mut line.conn, "ROLLBACK").await.is_ok(),
+                    false => true,
+                };
+                if matches!(e, StoreError::Stale) || !lost {
+                    // Refused by the database: nothing was kept. Stale jobs
+                    // run again at once on what the database holds.
+                    fail_done(done, &e);
+                    return (Vec::new(), rolled_back);
+                }
+                // A COMMIT whose answer was lost may have committed: waiters
+                // here look again (this host ignores its own notifications).
+                self.listener.committed(&[Effect::Missed]);
+                // Answered as it went: a request whose change was kept is
+                // answered so, and its retry meets its own answer, not its
+                // own lease as another's.
+                match (txid, marked) {
+                    (Some(txid), false) => self.resolve(txid, e, done, effects),
+                    (_, true) => self.settle(line, &marker, e, done, effects).await,
+                    // It only checked what it read: nothing to keep, and it
+                    // runs again.
+                    (None, false) => fail_done(done, &StoreError::Stale),
+                }
+                return (Vec::new(), false);
             }
-            return Vec::new();
+        };
+        if let Some(txid) = txid {
+            cache.committed(txid & 0xFFFF_FFFF);
+        }
+        match shift {
+            Some(shift) => {
+                for e in &mut effects {
+                    if let Effect::Event(seq) = e {
+                        *seq += shift;
+                    }
+                }
+            }
+            // The seqs are not known: every reader looks again.
+            None => {
+                effects.retain(|e| !matches!(e, Effect::Event(_)));
+                effects.push(Effect::Missed);
+            }
         }
         answer(self.listener.as_ref(), done, &effects);
-        Vec::new()
+        (Vec::new(), true)
+    }
+}
+
+/// Answer the jobs of a batch whose commit's answer was lost, by `status`:
+/// Some(whether it committed), or None when the database could not tell.
+fn settled(
+    listener: &dyn CommitListener,
+    status: Option<bool>,
+    e: StoreError,
+    done: Done,
+    effects: &[Effect],
+) {
+    match status {
+        Some(true) => {
+            tracing::info!("a commit whose answer was lost had committed");
+            answer(listener, done, effects);
+        }
+        Some(false) => {
+            tracing::warn!(error = %e, "a commit whose answer was lost had not committed");
+            fail_done(done, &e);
+        }
+        None => fail_done(done, &StoreError::OutcomeUnknown(e.to_string())),
     }
 }
 
@@ -352,17 +657,18 @@ mod tests {
             .await
             .expect("store");
         crate::store::Backend::close(&store).await;
-        Some(Writer {
-            pool: sqlx::postgres::PgPoolOptions::new()
-                .after_connect(|c, _| super::super::pipeline::install(c))
-                .connect(&url)
-                .await
-                .expect("pool"),
-            listener: Arc::new(Nobody),
-            notify: super::super::notify::Notifier::new(),
-            batch_limit: Duration::from_secs(30),
-            round_trips: Counter::default(),
-        })
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .after_connect(|c, _| super::super::pipeline::install(c))
+            .connect(&url)
+            .await
+            .expect("pool");
+        Some(Writer::new(
+            pool,
+            Arc::new(Nobody),
+            super::super::notify::Notifier::new(),
+            Duration::from_secs(30),
+            Arc::default(),
+        ))
     }
 
     fn set(key: &'static str, fail: bool) -> (Job, oneshot::Receiver<Result<JobOutput>>) {
@@ -379,6 +685,7 @@ mod tests {
         (
             Job {
                 durable: true,
+                fresh: false,
                 run,
                 reply,
             },
@@ -399,6 +706,7 @@ mod tests {
         });
         let job = Job {
             durable: true,
+            fresh: false,
             run,
             reply,
         };
@@ -542,6 +850,7 @@ mod tests {
         // (`rows::CURRENT_LOCKED`) and counts on from there.
         let (end_d, d_rx) = release("d");
         assert!(w.run_batch(vec![end_d]).await.is_empty());
+        w.cache.lock().expect("cache").clear();
         let (start_e, e_rx) = acquire("e", "r", 5);
         let before = w.round_trips.get();
         assert!(w.run_batch(vec![start_e]).await.is_empty());
@@ -553,27 +862,39 @@ mod tests {
             "no round trip for the token"
         );
         answered(vec![d_rx, e_rx]).await;
+        // What that batch read and wrote, the next ones know: BEGIN, the
+        // checks, the writes and COMMIT go as one.
+        for (i, step) in [release("e"), acquire("f", "r", 6)].into_iter().enumerate() {
+            let (job, rx) = step;
+            let before = w.round_trips.get();
+            assert!(w.run_batch(vec![job]).await.is_empty());
+            answered(vec![rx]).await;
+            assert_eq!(w.round_trips.get() - before, 1, "step {i}");
+        }
+        let (end_f, f_rx) = release("f");
+        assert!(w.run_batch(vec![end_f]).await.is_empty());
+        answered(vec![f_rx]).await;
 
         let token: i64 =
             sqlx::query_scalar("SELECT last_token FROM resources WHERE resource = 'r'")
                 .fetch_one(&w.pool)
                 .await
                 .expect("token");
-        assert_eq!(token, 5);
+        assert_eq!(token, 6);
         let seqs: Vec<i64> = sqlx::query_scalar("SELECT seq FROM events ORDER BY seq")
             .fetch_all(&w.pool)
             .await
             .expect("events");
         assert_eq!(
             seqs,
-            (1..=10).collect::<Vec<_>>(),
+            (1..=13).collect::<Vec<_>>(),
             "one per lease change, in order"
         );
         let last: i64 = sqlx::query_scalar("SELECT seq FROM event_seq")
             .fetch_one(&w.pool)
             .await
             .expect("event_seq");
-        assert_eq!(last, 10);
+        assert_eq!(last, 13);
     }
 
     #[tokio::test]
@@ -611,7 +932,8 @@ mod tests {
         let (failing, failing_rx) = set("failing", true);
         let (after, after_rx) = set("after", false);
         let requeued = w.run_batch(vec![before, failing, after]).await;
-        assert!(matches!(before_rx.await, Ok(Err(StoreError::Busy))));
+        // Not kept, to run again (`Store::write`).
+        assert!(matches!(before_rx.await, Ok(Err(StoreError::Stale))));
         assert!(matches!(failing_rx.await, Ok(Err(StoreError::Other(_)))));
         assert_eq!(requeued.len(), 1, "the job after the failure was not run");
         w.run_batch(requeued).await;

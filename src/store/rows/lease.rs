@@ -38,13 +38,14 @@ async fn leases<E: Exec + ?Sized>(c: &mut E, s: Stmt<'_>) -> Result<Vec<LeaseRec
     c.fetch(s).await?.iter().map(lease_row).collect()
 }
 
-/// A lease by id (`$1`), locked, and whether it holds reservations (so
-/// that releasing it need not ask). Column 16 is that flag.
+/// A lease by id (`$1`), locked, whether it holds reservations (so that
+/// releasing it need not ask), and its row version (`cache::Version`).
+/// Columns 16 and 17 are those.
 pub const LEASE_LOCKED: &str = concat!(
     "SELECT ",
     lease_cols!(),
-    ", EXISTS (SELECT 1 FROM ports WHERE owner_id = $1 AND released_at IS NULL) \
-     FROM leases WHERE id = $1 FOR UPDATE"
+    ", EXISTS (SELECT 1 FROM ports WHERE owner_id = $1 AND released_at IS NULL), \
+     xmin::text::bigint FROM leases WHERE id = $1 FOR UPDATE"
 );
 
 pub async fn lease<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Option<LeaseRecord>> {
@@ -52,32 +53,51 @@ pub async fn lease<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Option<Lease
     Ok(leases(c, Stmt::new(SQL).text(id)).await?.pop())
 }
 
-/// A lease a write transaction may change. Where `c` locks what it reads
-/// (`Exec::locks_rows`, PostgreSQL) the row is locked, and whether the lease
-/// holds reservations comes with it (None elsewhere).
-pub async fn lease_to_write<E: Exec + ?Sized>(
-    c: &mut E,
-    id: &str,
-) -> Result<(Option<LeaseRecord>, Option<bool>)> {
+/// A lease a write transaction may change, as `Locked`. Where `c` locks
+/// what it reads (`Exec::locks_rows`, PostgreSQL) the row is locked, and
+/// whether the lease holds reservations and its version come with it.
+pub async fn lease_to_write<E: Exec + ?Sized>(c: &mut E, id: &str) -> Result<Locked> {
     if !c.locks_rows() {
-        return Ok((lease(c, id).await?, None));
+        return Ok(Locked {
+            lease: lease(c, id).await?,
+            ..Locked::default()
+        });
     }
     let rows = c.fetch(Stmt::new(LEASE_LOCKED).text(id)).await?;
     match rows.first() {
-        Some(r) => Ok((Some(lease_row(r)?), Some(r.flag(16)?))),
-        None => Ok((None, None)),
+        Some(r) => Ok(Locked {
+            lease: Some(lease_row(r)?),
+            has_ports: Some(r.flag(16)?),
+            version: r.opt_int(17)?,
+            last_token: None,
+        }),
+        None => Ok(Locked::default()),
     }
 }
 
-/// The current lease of a resource (`$1`), locked, and the resource's last
-/// token (so that acquiring it need not count it on in a round trip of its
-/// own): one row, whose lease columns are null when none is current, and
-/// column 16 the token (null for a resource never leased).
+/// A lease read for a write transaction, and what came with it where the
+/// store locks what it reads (None elsewhere).
+#[derive(Debug, Default)]
+pub struct Locked {
+    pub lease: Option<LeaseRecord>,
+    /// Whether the lease holds reservations.
+    pub has_ports: Option<bool>,
+    /// The lease row's version (`cache::Version`).
+    pub version: Option<i64>,
+    /// The resource's last token (None too for a resource never leased).
+    pub last_token: Option<i64>,
+}
+
+/// The current lease of a resource (`$1`), locked, with its row version,
+/// and the resource's last token (so that acquiring it need not count it
+/// on in a round trip of its own): one row, whose lease columns are null
+/// when none is current; column 16 the version, 17 the token (null for a
+/// resource never leased).
 pub const CURRENT_LOCKED: &str = concat!(
     "SELECT l.*, (SELECT last_token FROM resources WHERE resource = $1) \
      FROM (SELECT 1) AS one LEFT JOIN LATERAL (SELECT ",
     lease_cols!(),
-    " FROM leases WHERE resource = $1 AND ",
+    ", xmin::text::bigint FROM leases WHERE resource = $1 AND ",
     lease_current!(),
     " FOR UPDATE) AS l ON true"
 );
@@ -99,24 +119,29 @@ pub async fn current_lease<E: Exec + ?Sized>(
 /// The current lease of `resource`, for a write transaction. Those already
 /// exclude each other (SQLite's one writer, PostgreSQL's fleet lock); where
 /// `c` locks what it reads (PostgreSQL) the row is locked against
-/// one-statement renewals all the same, and the resource's last token comes
-/// with it (None elsewhere, or for a resource never leased).
-pub async fn current_lease_to_write<E: Exec + ?Sized>(
-    c: &mut E,
-    resource: &str,
-) -> Result<(Option<LeaseRecord>, Option<i64>)> {
+/// one-statement renewals all the same, and its version and the resource's
+/// last token come with it.
+pub async fn current_lease_to_write<E: Exec + ?Sized>(c: &mut E, resource: &str) -> Result<Locked> {
     if !c.locks_rows() {
-        return Ok((current_lease(c, resource).await?, None));
+        return Ok(Locked {
+            lease: current_lease(c, resource).await?,
+            ..Locked::default()
+        });
     }
     let rows = c.fetch(Stmt::new(CURRENT_LOCKED).text(resource)).await?;
     let Some(r) = rows.first() else {
-        return Ok((None, None));
+        return Ok(Locked::default());
     };
     let lease = match r.opt_text(0)? {
         Some(_) => Some(lease_row(r)?),
         None => None,
     };
-    Ok((lease, r.opt_int(16)?))
+    Ok(Locked {
+        lease,
+        has_ports: None,
+        version: r.opt_int(16)?,
+        last_token: r.opt_int(17)?,
+    })
 }
 
 /// Counts a resource's (`$1`) last token on by one and returns it.

@@ -274,7 +274,7 @@ mod tests {
         let run: JobFn = Box::new(move |tx: &mut dyn Tx| {
             Box::pin(async move {
                 tx.set_meta(key, "x").await?;
-                let seq = tx.append_event(1, format!(r#"{{"key":"{key}"}}"#)).await?;
+                tx.append_event(1, format!(r#"{{"key":"{key}"}}"#)).await?;
                 match then {
                     Then::Succeed => {}
                     Then::FailUnsent => return Err(StoreError::Other("failed".into())),
@@ -302,11 +302,12 @@ mod tests {
                         tx.insert_port(&dup).await?;
                     }
                 }
-                Ok(Box::new(seq) as JobOutput)
+                Ok(Box::new(0_i64) as JobOutput)
             })
         });
         let job = Job {
             durable: true,
+            fresh: false,
             run,
             reply,
         };
@@ -345,13 +346,19 @@ mod tests {
         Ok(*out.downcast::<i64>().expect("a seq"))
     }
 
-    /// Meta keys and event seqs in the database.
-    async fn kept(c: &mut Conn) -> (Vec<String>, Vec<i64>) {
+    /// Meta keys, and the seq of each job's event (by its key), in the
+    /// database.
+    async fn kept(c: &mut Conn) -> (Vec<String>, Vec<(i64, String)>) {
         let keys = texts(c, "SELECT key FROM meta ORDER BY key");
         let (rows, _) =
-            c.db.run(Stmt::new("SELECT seq FROM events ORDER BY seq"))
-                .expect("seqs");
-        let seqs = rows.iter().map(|r| r.int(0).expect("seq")).collect();
+            c.db.run(Stmt::new(
+                "SELECT seq, body ->> '$.key' FROM events ORDER BY seq",
+            ))
+            .expect("seqs");
+        let seqs = rows
+            .iter()
+            .map(|r| (r.int(0).expect("seq"), r.text(1).expect("key")))
+            .collect();
         (keys, seqs)
     }
 
@@ -363,12 +370,16 @@ mod tests {
             let (b, b_rx) = job("b", then);
             let (d, d_rx) = job("d", Then::Succeed);
             w.run_batch(&mut c, vec![a, b, d]).await;
-            assert_eq!(seq_of(a_rx).await.expect("a"), 1);
+            seq_of(a_rx).await.expect("a");
             assert!(seq_of(b_rx).await.is_err());
-            assert_eq!(seq_of(d_rx).await.expect("d"), 2, "b's seq is taken again");
+            seq_of(d_rx).await.expect("d");
             assert_eq!(
                 kept(&mut c).await,
-                (vec!["a".into(), "d".into()], vec![1, 2])
+                (
+                    vec!["a".into(), "d".into()],
+                    vec![(1, "a".into()), (2, "d".into())]
+                ),
+                "b's seq is taken again"
             );
             assert!(!c.db.in_transaction(), "the transaction ended");
             assert_eq!(c.db.seq, 2);
@@ -385,12 +396,15 @@ mod tests {
         let (d, d_rx) = job("d", Then::Succeed);
         let left = w.run_batch(&mut c, vec![a, b, d]).await;
         assert!(left.is_empty());
-        assert_eq!(seq_of(a_rx).await.expect("a"), 1);
+        seq_of(a_rx).await.expect("a");
         assert!(matches!(seq_of(b_rx).await, Err(StoreError::Other(e)) if e.contains("UNIQUE")));
-        assert_eq!(seq_of(d_rx).await.expect("d"), 2);
+        seq_of(d_rx).await.expect("d");
         assert_eq!(
             kept(&mut c).await,
-            (vec!["a".into(), "d".into()], vec![1, 2])
+            (
+                vec!["a".into(), "d".into()],
+                vec![(1, "a".into()), (2, "d".into())]
+            )
         );
         assert!(!c.db.in_transaction());
         assert_eq!(c.db.seq, 2);
@@ -405,8 +419,11 @@ mod tests {
             assert!(seq_of(b_rx).await.is_err());
             let (a, a_rx) = job("a", Then::Succeed);
             w.run_batch(&mut c, vec![a]).await;
-            assert_eq!(seq_of(a_rx).await.expect("a"), 1);
-            assert_eq!(kept(&mut c).await, (vec!["a".into()], vec![1]));
+            seq_of(a_rx).await.expect("a");
+            assert_eq!(
+                kept(&mut c).await,
+                (vec!["a".into()], vec![(1, "a".into())])
+            );
         }
     }
 
@@ -417,9 +434,12 @@ mod tests {
             let (a, a_rx) = job("a", Then::Succeed);
             let (b, b_rx) = job("b", then);
             w.run_batch(&mut c, vec![a, b]).await;
-            assert_eq!(seq_of(a_rx).await.expect("a"), 1);
+            seq_of(a_rx).await.expect("a");
             assert!(seq_of(b_rx).await.is_err());
-            assert_eq!(kept(&mut c).await, (vec!["a".into()], vec![1]));
+            assert_eq!(
+                kept(&mut c).await,
+                (vec!["a".into()], vec![(1, "a".into())])
+            );
         }
     }
 
@@ -446,6 +466,7 @@ mod tests {
         });
         let job = Job {
             durable: true,
+            fresh: false,
             run,
             reply,
         };
@@ -505,6 +526,7 @@ mod tests {
         });
         let job = Job {
             durable: true,
+            fresh: false,
             run,
             reply,
         };
