@@ -198,6 +198,16 @@ fn simple(conn: &mut PgConnection, sql: String) -> BoxFuture<'_, Result<Vec<Vec<
     Box::pin(async move { simple_raw(conn, sql).await.map_err(super::map_err) })
 }
 
+/// Whether `e` says the transaction was not kept: an error of a statement
+/// (severity ERROR) aborts it, where a FATAL one (the server process ended,
+/// `57P01`) may come after its commit.
+fn refused(e: &sqlx::Error) -> bool {
+    use sqlx::postgres::{PgDatabaseError, PgSeverity};
+    e.as_database_error()
+        .and_then(|d| d.try_downcast_ref::<PgDatabaseError>())
+        .is_some_and(|d| d.severity() == PgSeverity::Error)
+}
+
 /// `simple`, with the driver's error.
 fn simple_raw(
     conn: &mut PgConnection,
@@ -237,8 +247,9 @@ pub struct Pipeline<'c> {
     /// recorded its marker: should its answer be lost, the marker tells
     /// whether it committed.
     pub marked: bool,
-    /// The commit failed without an answer from the database (the
-    /// connection broke): it may have committed.
+    /// The commit failed without an answer that it was refused (the
+    /// connection broke, or its server process ended): it may have
+    /// committed.
     pub lost: bool,
     queue: Queue,
     /// Checks of the cache's entries not verified yet: they go with the
@@ -483,7 +494,7 @@ impl<'c> Pipeline<'c> {
         let out = match simple_raw(self.conn, sql).await {
             Ok(out) => out,
             Err(e) => {
-                self.lost = !matches!(e, sqlx::Error::Database(_));
+                self.lost = !refused(&e);
                 return Err(super::map_err(e));
             }
         };

@@ -979,4 +979,115 @@ mod tests {
         assert!(w.run_batch(vec![a]).await.is_empty());
         answered(vec![a_rx]).await;
     }
+
+    /// The writer's server process, once it waits on a lock.
+    async fn waiting_writer(pool: &PgPool) -> i32 {
+        for _ in 0..500 {
+            let pid: Option<i32> = sqlx::query_scalar(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock'",
+            )
+            .fetch_optional(pool)
+            .await
+            .expect("activity");
+            if let Some(pid) = pid {
+                return pid;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the writer never waited on the lock");
+    }
+
+    /// A commit that begins its transaction (the writer knew every row it
+    /// read) has no id to ask about: cut while it waits for the fleet's
+    /// lock, it is found not kept (its marker is not there once its server
+    /// process is gone), and its jobs are answered to run again.
+    #[tokio::test]
+    async fn a_one_round_trip_commit_cut_on_its_way_is_found_not_kept_and_runs_again() {
+        let Some(w) = store().await else {
+            return;
+        };
+        let (a, a_rx) = acquire("a", "r", 1);
+        assert!(w.run_batch(vec![a]).await.is_empty());
+        answered(vec![a_rx]).await;
+        let mut holder = w.pool.acquire().await.expect("connection");
+        exec(&mut holder, "BEGIN; SELECT seq FROM event_seq FOR UPDATE")
+            .await
+            .expect("the fleet lock");
+        let w = Arc::new(w);
+        let (end_a, end_rx) = release("a");
+        let running = tokio::spawn({
+            let w = w.clone();
+            async move { w.run_batch(vec![end_a]).await.len() }
+        });
+        let pid = waiting_writer(&w.pool).await;
+        sqlx::query("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .execute(&w.pool)
+            .await
+            .expect("cut");
+        exec(&mut holder, "ROLLBACK").await.expect("unlock");
+        assert_eq!(running.await.expect("batch"), 0);
+        let out = end_rx.await.map(|o| o.map(|_| ()));
+        assert!(matches!(out, Ok(Err(StoreError::Stale))), "{out:?}");
+        let state: String = sqlx::query_scalar("SELECT state FROM leases WHERE id = 'a'")
+            .fetch_one(&w.pool)
+            .await
+            .expect("lease");
+        assert_eq!(state, "active", "nothing of it was kept");
+        // The next batch opens a new connection and goes on.
+        let (end_a, end_rx) = release("a");
+        assert!(w.run_batch(vec![end_a]).await.is_empty());
+        answered(vec![end_rx]).await;
+    }
+
+    /// The marker tells only once the process that ran the commit is gone,
+    /// which it ends if it is still there.
+    #[tokio::test]
+    async fn a_marker_answers_once_the_commits_process_is_gone() {
+        let Some(w) = store().await else {
+            return;
+        };
+        sqlx::query("INSERT INTO meta (key, value) VALUES ('writer:x', '1 7')")
+            .execute(&w.pool)
+            .await
+            .expect("marker");
+        let mut other = PgConnection::connect_with(&w.pool.connect_options())
+            .await
+            .expect("connection");
+        let (pid, started): (i32, String) = sqlx::query_as(
+            "SELECT pid, backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid()",
+        )
+        .fetch_one(&mut other)
+        .await
+        .expect("its process");
+        let mut conn = w.pool.acquire().await.expect("connection");
+        let ask = |value: &str| {
+            (
+                pid,
+                started.clone(),
+                "writer:x".to_owned(),
+                value.to_owned(),
+            )
+        };
+        assert_eq!(
+            marker_status(&mut conn, ask("1 7")).await.expect("asked"),
+            None
+        );
+        for _ in 0..500 {
+            if marker_status(&mut conn, ask("1 7")).await.expect("asked") == Some(true) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            marker_status(&mut conn, ask("1 7")).await.expect("asked"),
+            Some(true)
+        );
+        assert_eq!(
+            marker_status(&mut conn, ask("1 8")).await.expect("asked"),
+            Some(false)
+        );
+        assert!(other.ping().await.is_err(), "the process was ended");
+    }
 }
