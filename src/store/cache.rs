@@ -41,8 +41,8 @@ pub enum Check {
     Free { resource: String },
     /// The resource's last token is still this.
     Token { resource: String, last: i64 },
-    /// The owner holds this many current reservations.
-    Ports { owner: String, count: usize },
+    /// The owner's current reservations are these (by id).
+    Ports { owner: String, ids: Vec<String> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -141,9 +141,12 @@ impl Cache {
     /// The lease `id` if it is current and known.
     pub fn lease(&mut self, id: &str) -> Option<LeaseRecord> {
         let (rec, version) = self.leases.get(id).cloned()?;
-        if self.first_use(Key::Lease(id.to_owned())) {
-            // Written by this transaction: never an earlier one's.
+        let key = Key::Lease(id.to_owned());
+        if self.unchecked(&key) {
+            // An earlier transaction's whose version is not known: as if
+            // not known at all.
             let version = version?;
+            self.fresh(key);
             self.check(Check::Lease {
                 id: id.to_owned(),
                 version,
@@ -212,22 +215,31 @@ impl Cache {
     }
 
     /// A lease renewed outside the writer's transactions, as its statement
-    /// returned it, at `version`: kept unless the entry is newer.
+    /// returned it, at `version`: taken in place of the entry it knows, if
+    /// that one is older. A lease it does not know (any more: its end may
+    /// have come after the renewal) it leaves unknown.
     pub fn renewed(&mut self, rec: &LeaseRecord, version: i64) {
-        if let Some((_, Some(known))) = self.leases.get(&rec.id) {
-            // Transaction ids modulo 2^32 compare by their difference.
-            let newer = (version.wrapping_sub(*known) as i32) > 0;
-            if !newer {
-                return;
-            }
+        let Some((known, Some(at))) = self.leases.get_mut(&rec.id) else {
+            return;
+        };
+        // Transaction ids modulo 2^32 compare by their difference.
+        if (version.wrapping_sub(*at) as i32) > 0 {
+            *known = rec.clone();
+            *at = version;
         }
-        if rec.state.is_current() {
-            room(&mut self.leases);
-            room(&mut self.current);
-            self.leases
-                .insert(rec.id.clone(), (rec.clone(), Some(version)));
-            self.current
-                .insert(rec.resource.clone(), Some(rec.id.clone()));
+    }
+
+    /// Forget what this transaction wrote, its version not being known.
+    pub fn forget_unversioned(&mut self) {
+        let unversioned: Vec<(String, String)> = self
+            .leases
+            .iter()
+            .filter(|(_, (_, v))| v.is_none())
+            .map(|(id, (l, _))| (id.clone(), l.resource.clone()))
+            .collect();
+        for (id, resource) in unversioned {
+            self.leases.remove(&id);
+            self.current.remove(&resource);
         }
     }
 
@@ -263,7 +275,7 @@ impl Cache {
         if self.first_use(Key::Ports(owner.to_owned())) {
             self.check(Check::Ports {
                 owner: owner.to_owned(),
-                count: held.len(),
+                ids: held.iter().map(|p| p.id.clone()).collect(),
             });
         }
         Some(held)

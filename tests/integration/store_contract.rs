@@ -2042,6 +2042,58 @@ async fn a_lease_known_to_the_writer_and_changed_meanwhile_is_read_again() {
     s.close().await;
 }
 
+stores!(reservations_changed_by_another_host_are_read_again_though_as_many);
+/// The writer's memory of an owner's reservations is checked by their ids,
+/// not their count: another host that swapped one for another leaves the
+/// count as it was, and the job that ends them all must see the new one.
+async fn reservations_changed_by_another_host_are_read_again_though_as_many() {
+    if !matches!(stores::current(), stores::Store::Postgres) {
+        return;
+    }
+    let place = Place::new().await;
+    let s = place.open().await;
+    let now = T0 + 10_000;
+    insert_lease(&s.store, renewable("owner", now))
+        .await
+        .expect("insert");
+    let first = port("port-1", "host-a", 8080, "web", lease_owner("owner", 1));
+    insert_port(&s.store, first).await.expect("reserve");
+    let other_host = place.open().await;
+    other_host
+        .store
+        .write(true, |tx| {
+            Box::pin(async move {
+                tx.release_port("port-1", T0 + 1).await?;
+                let second = port("port-2", "host-b", 8081, "web", lease_owner("owner", 1));
+                tx.insert_port(&second).await
+            })
+        })
+        .await
+        .expect("swapped");
+    other_host.close().await;
+    let ended: Vec<String> = s
+        .store
+        .write(true, move |tx| {
+            Box::pin(async move {
+                let held = tx.ports_of("owner").await?;
+                for p in &held {
+                    tx.release_port(&p.id, now).await?;
+                }
+                Ok(held.into_iter().map(|p| p.id).collect())
+            })
+        })
+        .await
+        .expect("released");
+    assert_eq!(ended, ["port-2"], "the reservation the other host made");
+    let held = s
+        .backend()
+        .owner_ports(&["owner".to_owned()])
+        .await
+        .expect("ports");
+    assert!(held.is_empty(), "none left: {held:?}");
+    s.close().await;
+}
+
 stores!(renewals_that_arrive_together_share_statements_and_each_gets_its_own_answer);
 /// On PostgreSQL, renewals that arrive while others are out go together in
 /// one statement (`postgres/renewals.rs`); each is answered with its own

@@ -88,8 +88,12 @@ const FUNCTION: &str = concat!(
                     IS DISTINCT FROM (u->>2)::bigint THEN
                     RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'token moved';
                 END IF;
+            -- The same ids: as many, and each of them current and the owner's.
             ELSIF (SELECT count(*) FROM ports WHERE owner_id = u->>1 AND released_at IS NULL)
-                <> (u->>2)::bigint THEN
+                <> jsonb_array_length(u->2)
+                OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(u->2) AS held(id)
+                    WHERE NOT EXISTS (SELECT 1 FROM ports p WHERE p.id = held.id
+                        AND p.owner_id = u->>1 AND p.released_at IS NULL)) THEN
                 RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'reservations changed';
             END IF;
         END LOOP;
@@ -287,7 +291,7 @@ fn checks_json(checks: &[Check]) -> Value {
                 Check::Lease { id, version } => json!(["lease", id, version]),
                 Check::Free { resource } => json!(["free", resource]),
                 Check::Token { resource, last } => json!(["token", resource, last]),
-                Check::Ports { owner, count } => json!(["ports", owner, count]),
+                Check::Ports { owner, ids } => json!(["ports", owner, ids]),
             })
             .collect(),
     )

@@ -83,6 +83,11 @@ struct Line {
     /// Connected or pinged for this batch: a failure on it is not the
     /// idle cut of a connection reused unchecked.
     checked: bool,
+    /// Connected for this batch: what the cache holds was read on another
+    /// connection, perhaps from a server since replaced (a failover to a
+    /// standby that had not all of it, where transaction ids, and so row
+    /// versions, are handed out again), and is forgotten.
+    opened: bool,
 }
 
 /// A line used again within this time of its last batch is not checked
@@ -100,6 +105,9 @@ struct Writer {
     renewed: Arc<Renewed>,
     /// Batches that began with their commit, for their markers.
     marked: std::sync::atomic::AtomicU64,
+    /// The settling of a lost commit's answer (`settle`), for `run` to
+    /// await before the next batch.
+    settling: Mutex<Option<BoxFuture<'static, ()>>>,
 }
 
 pub(super) fn start(
@@ -124,14 +132,24 @@ impl Batches for Writer {
     /// dropped, its connection closed, and its jobs answered `unavailable`.
     fn run(&self, batch: Vec<Job>) -> BoxFuture<'_, Vec<Job>> {
         Box::pin(async move {
-            match tokio::time::timeout(self.batch_limit, self.run_batch(batch)).await {
+            let left = match tokio::time::timeout(self.batch_limit, self.run_batch(batch)).await {
                 Ok(left) => left,
                 Err(_) => {
                     tracing::warn!(limit = ?self.batch_limit, "a write batch did not finish in time; dropped");
                     self.listener.committed(&[Effect::Missed]);
                     Vec::new()
                 }
+            };
+            // Outside the batch's time limit: it has its own (`RESOLVE_FOR`).
+            let settling = self
+                .settling
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(settling) = settling {
+                settling.await;
             }
+            left
         })
     }
 
@@ -272,6 +290,7 @@ impl Writer {
             cache: Mutex::new(Cache::guarded()),
             renewed,
             marked: std::sync::atomic::AtomicU64::new(0),
+            settling: Mutex::new(None),
         }
     }
 
@@ -318,6 +337,7 @@ impl Writer {
                 started,
                 idle_since: Instant::now(),
                 checked: true,
+                opened: true,
             })
         });
         match tokio::time::timeout(self.batch_limit, connect).await {
@@ -347,6 +367,7 @@ impl Writer {
     fn keep(&self, line: Line, cache: Cache) {
         *self.line.lock().unwrap_or_else(PoisonError::into_inner) = Some(Line {
             idle_since: Instant::now(),
+            opened: false,
             ..line
         });
         *self.cache.lock().unwrap_or_else(PoisonError::into_inner) = cache;
@@ -382,29 +403,33 @@ impl Writer {
 
     /// As `resolve`, for a commit that began the transaction, so that its
     /// id never came back: its marker tells, once its server process is
-    /// gone. Waited for: the next batch of this server records its marker
-    /// under the same key.
-    async fn settle(
+    /// gone. Waited for before the next batch (`run`, outside the batch's
+    /// time limit): that one records its marker under the same key.
+    fn settle(
         &self,
         line: &Line,
-        marker: &(String, String),
+        marker: (String, String),
         e: StoreError,
         done: Done,
         effects: Vec<Effect>,
     ) {
-        let (key, value) = marker;
-        let status = keep_asking(&self.pool, "a commit whose answer was lost", |c| {
-            let asked = (line.pid, line.started.clone(), key.clone(), value.clone());
-            marker_status(c, asked)
-        })
-        .await;
-        // Not kept, for certain, and no other transaction of this batch's
-        // is left: its jobs run again.
-        let e = match status {
-            Some(false) => StoreError::Stale,
-            _ => e,
+        let (pool, listener) = (self.pool.clone(), self.listener.clone());
+        let (pid, started) = (line.pid, line.started.clone());
+        let settling = async move {
+            let (key, value) = marker;
+            let status = keep_asking(&pool, "a commit whose answer was lost", |c| {
+                marker_status(c, (pid, started.clone(), key.clone(), value.clone()))
+            })
+            .await;
+            // Not kept, for certain, and no other transaction of this
+            // batch's is left: its jobs run again.
+            let e = match status {
+                Some(false) => StoreError::Stale,
+                _ => e,
+            };
+            settled(listener.as_ref(), status, e, done, &effects);
         };
-        settled(self.listener.as_ref(), status, e, done, &effects);
+        *self.settling.lock().unwrap_or_else(PoisonError::into_inner) = Some(Box::pin(settling));
     }
 
     /// Run `batch`; the jobs that did not run, to be queued again.
@@ -417,7 +442,7 @@ impl Writer {
             }
         };
         let mut cache = self.take_cache();
-        if batch.iter().any(|j| j.fresh) {
+        if line.opened || batch.iter().any(|j| j.fresh) {
             cache.clear();
         }
         let (left, kept) = self.run_on(&mut line, &mut cache, batch).await;
@@ -536,7 +561,7 @@ impl Writer {
                 // own lease as another's.
                 match (txid, marked) {
                     (Some(txid), false) => self.resolve(txid, e, done, effects),
-                    (_, true) => self.settle(line, &marker, e, done, effects).await,
+                    (_, true) => self.settle(line, marker, e, done, effects),
                     // It only checked what it read: nothing to keep, and it
                     // runs again.
                     (None, false) => fail_done(done, &StoreError::Stale),
@@ -544,8 +569,11 @@ impl Writer {
                 return (Vec::new(), false);
             }
         };
-        if let Some(txid) = txid {
-            cache.committed(txid & 0xFFFF_FFFF);
+        match txid {
+            Some(txid) => cache.committed(txid & 0xFFFF_FFFF),
+            // Its id not read back (it cannot be, short of a bug): what it
+            // wrote has no version to check against.
+            None => cache.forget_unversioned(),
         }
         match shift {
             Some(shift) => {
@@ -1018,7 +1046,7 @@ mod tests {
         let (end_a, end_rx) = release("a");
         let running = tokio::spawn({
             let w = w.clone();
-            async move { w.run_batch(vec![end_a]).await.len() }
+            async move { w.run(vec![end_a]).await.len() }
         });
         let pid = waiting_writer(&w.pool).await;
         sqlx::query("SELECT pg_terminate_backend($1)")
