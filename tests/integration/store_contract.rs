@@ -1945,13 +1945,32 @@ async fn a_renewal_outside_transactions_leaves_a_lease_a_transaction_read_to_it(
     s.close().await;
 }
 
+/// End the current lease `id` at `at`, with its event; its expiry as read.
+fn release_lease<'t>(
+    tx: &'t mut dyn holdfast::store::Tx,
+    id: &'static str,
+    at: Millis,
+) -> holdfast::store::BoxFuture<'t, Result<Option<i64>, StoreError>> {
+    Box::pin(async move {
+        let rec = tx.lease(id).await?.expect("the lease");
+        let mut ended = rec.clone();
+        ended.state = LeaseState::Released;
+        ended.ended_at = Some(at);
+        ended.end_reason = Some("released".into());
+        tx.update_lease(&ended).await?;
+        tx.append_event(at, format!(r#"{{"released":"{id}"}}"#))
+            .await?;
+        Ok(rec.expires_at)
+    })
+}
+
 stores!(a_lease_known_to_the_writer_and_changed_meanwhile_is_read_again);
 /// The PostgreSQL writer answers reads from what its earlier transactions
-/// read and wrote, and checks at commit that those rows did not change: a
-/// renewal outside the transactions (or another host) that changed one in
-/// between makes the job run again on the row as it now is, in one
-/// round trip more, and the renewal is kept. A lease it knows is released in
-/// one round trip.
+/// read and wrote (and its renewals renewed): a lease it knows is released
+/// in one round trip. At commit it checks that those rows did not change:
+/// a renewal on another host in between makes the job run again on the
+/// row as it now is, and the renewal is kept; for a second after that the
+/// writer reads from the database (two round trips).
 async fn a_lease_known_to_the_writer_and_changed_meanwhile_is_read_again() {
     if !matches!(stores::current(), stores::Store::Postgres) {
         return;
@@ -1959,40 +1978,54 @@ async fn a_lease_known_to_the_writer_and_changed_meanwhile_is_read_again() {
     let place = Place::new().await;
     let s = place.open().await;
     let now = T0 + 10_000;
-    let plain = renewable("plain", now);
-    insert_lease(&s.store, plain.clone()).await.expect("insert");
     let b = s.backend();
-    let renewed = b
-        .renew_unowned("plain", 1, Some(7_000), now)
+    let round_trips = || b.write_counters().round_trips.get();
+
+    // Acquired, renewed and released by this host: no read goes out.
+    insert_lease(&s.store, renewable("fresh", now))
+        .await
+        .expect("insert");
+    b.renew_unowned("fresh", 1, Some(5_000), now)
         .await
         .expect("renewal")
         .expect("renewed");
-    assert_eq!(renewed.expires_at, Some(now + 7_000));
+    let before = round_trips();
+    let seen = s
+        .store
+        .write(true, move |tx| release_lease(tx, "fresh", now + 2))
+        .await;
+    assert_eq!(
+        seen.expect("released"),
+        Some(now + 5_000),
+        "the renewal known"
+    );
+    assert_eq!(
+        round_trips() - before,
+        1,
+        "the checks, the writes and COMMIT in one round trip"
+    );
+    assert_eq!(b.last_event_seq().await.expect("seq"), 1, "the event's seq");
+
+    insert_lease(&s.store, renewable("plain", now))
+        .await
+        .expect("insert");
     // Behind the writer's back: another host renews it.
     let other_host = place.open().await;
     let again = other_host
         .backend()
-        .renew_unowned("plain", 1, Some(9_000), now + 1)
+        .renew_unowned("plain", 1, Some(9_000), now)
         .await
         .expect("renewal")
         .expect("renewed");
-    assert_eq!(again.expires_at, Some(now + 9_001));
+    assert_eq!(again.expires_at, Some(now + 9_000));
     other_host.close().await;
     let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let seen = {
         let runs = runs.clone();
         s.store
             .write(true, move |tx| {
-                Box::pin(async move {
-                    runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    let rec = tx.lease("plain").await?.expect("the lease");
-                    let mut ended = rec.clone();
-                    ended.state = LeaseState::Released;
-                    ended.ended_at = Some(now + 2);
-                    ended.end_reason = Some("released".into());
-                    tx.update_lease(&ended).await?;
-                    Ok(rec.expires_at)
-                })
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                release_lease(tx, "plain", now + 2)
             })
             .await
             .expect("released")
@@ -2000,45 +2033,37 @@ async fn a_lease_known_to_the_writer_and_changed_meanwhile_is_read_again() {
     assert_eq!(
         runs.load(std::sync::atomic::Ordering::SeqCst),
         2,
-        "the first run used the renewal it knew, the second the other host's"
+        "the first run used the lease as this host left it, the second the other host's"
     );
     assert_eq!(
         seen,
-        Some(now + 9_001),
+        Some(now + 9_000),
         "released as the other host left it"
     );
     let stored = b.get_lease("plain").await.expect("get").expect("the lease");
     assert_eq!(stored.state, LeaseState::Released);
-    assert_eq!(stored.expires_at, Some(now + 9_001), "the renewal was kept");
+    assert_eq!(stored.expires_at, Some(now + 9_000), "the renewal was kept");
+    assert_eq!(
+        b.events(1, 10).await.expect("events").len(),
+        1,
+        "one event of the two runs"
+    );
 
-    // A lease the writer acquired, renewed and releases: no read goes out.
-    let fresh = renewable("fresh", now);
-    insert_lease(&s.store, fresh.clone()).await.expect("insert");
-    b.renew_unowned("fresh", 1, Some(5_000), now)
+    // Written after the failed check, so known to the writer: read again
+    // all the same.
+    insert_lease(&s.store, renewable("later", now))
         .await
-        .expect("renewal")
-        .expect("renewed");
-    let before = b.write_counters().round_trips.get();
+        .expect("insert");
+    let before = round_trips();
     s.store
-        .write(true, move |tx| {
-            Box::pin(async move {
-                let mut rec = tx.lease("fresh").await?.expect("the lease");
-                assert_eq!(rec.expires_at, Some(now + 5_000), "the renewal known");
-                rec.state = LeaseState::Released;
-                rec.ended_at = Some(now + 2);
-                tx.update_lease(&rec).await?;
-                tx.append_event(now + 2, r#"{"released":"fresh"}"#.into())
-                    .await
-            })
-        })
+        .write(true, move |tx| release_lease(tx, "later", now + 3))
         .await
         .expect("released");
     assert_eq!(
-        b.write_counters().round_trips.get() - before,
-        1,
-        "the checks, the writes and COMMIT in one round trip"
+        round_trips() - before,
+        2,
+        "read from the database after a failed check"
     );
-    assert_eq!(b.last_event_seq().await.expect("seq"), 1, "the event's seq");
     s.close().await;
 }
 

@@ -108,7 +108,16 @@ struct Writer {
     /// The settling of a lost commit's answer (`settle`), for `run` to
     /// await before the next batch.
     settling: Mutex<Option<BoxFuture<'static, ()>>>,
+    /// Until when batches start from an empty cache, after a check failed.
+    cold_until: Mutex<Option<Instant>>,
 }
+
+/// How long after a failed check the writer reads what it uses from the
+/// database, as it did before it remembered anything: where other hosts
+/// change the same rows (clients spread over hosts by a load balancer),
+/// its memory is mostly out of date, and a failed check costs the whole
+/// batch a second run. So it is at most one such run a second.
+const COLD_FOR: Duration = Duration::from_secs(1);
 
 pub(super) fn start(
     pool: PgPool,
@@ -291,6 +300,7 @@ impl Writer {
             renewed,
             marked: std::sync::atomic::AtomicU64::new(0),
             settling: Mutex::new(None),
+            cold_until: Mutex::new(None),
         }
     }
 
@@ -362,6 +372,21 @@ impl Writer {
         }
         cache.begin();
         cache
+    }
+
+    /// A check failed: other writers change what the cache holds.
+    fn cool(&self) {
+        *self
+            .cold_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now() + COLD_FOR);
+    }
+
+    fn cold(&self) -> bool {
+        self.cold_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some_and(|until| Instant::now() < until)
     }
 
     fn keep(&self, line: Line, cache: Cache) {
@@ -442,7 +467,7 @@ impl Writer {
             }
         };
         let mut cache = self.take_cache();
-        if line.opened || batch.iter().any(|j| j.fresh) {
+        if line.opened || self.cold() || batch.iter().any(|j| j.fresh) {
             cache.clear();
         }
         let (left, kept) = self.run_on(&mut line, &mut cache, batch).await;
@@ -505,6 +530,9 @@ impl Writer {
                     cache.clear();
                     let begun = pipe.txid().is_some();
                     let rolled_back = exec(pipe.conn(), "ROLLBACK").await.is_ok();
+                    if matches!(e, StoreError::Stale) {
+                        self.cool();
+                    }
                     // A kept line cut while it was idle (a database restart,
                     // a proxy's idle timeout): no COMMIT went out, and the job
                     // runs again on a new one.
@@ -547,6 +575,9 @@ impl Writer {
                     true => exec(&mut line.conn, "ROLLBACK").await.is_ok(),
                     false => true,
                 };
+                if matches!(e, StoreError::Stale) {
+                    self.cool();
+                }
                 if matches!(e, StoreError::Stale) || !lost {
                     // Refused by the database: nothing was kept. Stale jobs
                     // run again at once on what the database holds.
