@@ -15,7 +15,7 @@
 //! transaction that answers a read from an entry an earlier transaction
 //! left there notes a `Check` of it, and the commit verifies every check
 //! under the fleet's lock before it writes (a lease's row version, a
-//! resource free, a last token, an owner's count of reservations); should
+//! resource free, a last token, an owner's reservations by id); should
 //! one fail, nothing is kept and the jobs run again on what the database
 //! holds (`StoreError::Stale`).
 

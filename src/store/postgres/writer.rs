@@ -103,6 +103,8 @@ struct Writer {
     line: Mutex<Option<Line>>,
     cache: Mutex<Cache>,
     renewed: Arc<Renewed>,
+    /// This server's marker key (`marker`).
+    marker_key: String,
     /// Batches that began with their commit, for their markers.
     marked: std::sync::atomic::AtomicU64,
     /// The settling of a lost commit's answer (`settle`), for `run` to
@@ -289,6 +291,7 @@ impl Writer {
         batch_limit: Duration,
         renewed: Arc<Renewed>,
     ) -> Self {
+        let marker_key = format!("writer:{}", notify.instance());
         Self {
             pool,
             listener,
@@ -298,6 +301,7 @@ impl Writer {
             line: Mutex::new(None),
             cache: Mutex::new(Cache::guarded()),
             renewed,
+            marker_key,
             marked: std::sync::atomic::AtomicU64::new(0),
             settling: Mutex::new(None),
             cold_until: Mutex::new(None),
@@ -398,16 +402,14 @@ impl Writer {
         *self.cache.lock().unwrap_or_else(PoisonError::into_inner) = cache;
     }
 
-    /// This server's marker key, and a value no other batch of it records:
-    /// the instant (for the removal of old keys), and a count.
-    fn marker(&self) -> (String, String) {
+    /// A value no other batch of this server records under its key
+    /// (`marker_key`): the instant (for the removal of old keys), and a
+    /// count.
+    fn marker(&self) -> String {
         let n = self
             .marked
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        (
-            format!("writer:{}", self.notify.instance()),
-            format!("{} {n}", crate::time::now_ms()),
-        )
+        format!("{} {n}", crate::time::now_ms())
     }
 
     /// Answer the jobs of a batch whose COMMIT (transaction `txid`) failed
@@ -562,7 +564,11 @@ impl Writer {
         let notices = self.notify.payloads(&effects);
         let marker = self.marker();
         let committed = pipe
-            .commit(super::notify::CHANNEL, &notices, (&marker.0, &marker.1))
+            .commit(
+                super::notify::CHANNEL,
+                &notices,
+                (&self.marker_key, &marker),
+            )
             .await;
         let (txid, marked, lost) = (pipe.txid(), pipe.marked, pipe.lost);
         self.round_trips.inc_by(pipe.round_trips);
@@ -592,7 +598,10 @@ impl Writer {
                 // own lease as another's.
                 match (txid, marked) {
                     (Some(txid), false) => self.resolve(txid, e, done, effects),
-                    (_, true) => self.settle(line, marker, e, done, effects),
+                    (_, true) => {
+                        let marker = (self.marker_key.clone(), marker);
+                        self.settle(line, marker, e, done, effects);
+                    }
                     // It only checked what it read: nothing to keep, and it
                     // runs again.
                     (None, false) => fail_done(done, &StoreError::Stale),
