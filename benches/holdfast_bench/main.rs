@@ -31,16 +31,17 @@
 //! (`etcd.rs`, v3 JSON gateway, fsync on) is the anchor of churn, renew and
 //! contended; supervisord (`supervisord.rs`, XML-RPC) of spawn and stop50.
 //!
-//! `--prefill leases=N,processes=M` (without `--url`; SQLite only, a `postgres`
-//! store runs empty) starts two servers per SQLite store: one on an empty store
-//! and one, `prefilled/sqlite`, on a store that holds N ended leases and M ended
+//! `--prefill leases=N,processes=M` (without `--url`) starts two servers per
+//! store: one on an empty store and one, `prefilled/<store>` (on a database of
+//! its own for `postgres`), on a store that holds N ended leases and M ended
 //! processes (optionally on R resources and with the end events of the newest K
 //! records; `prefill.rs` says what the rows are). That one is started once so that
 //! it creates its schema, stopped with SIGTERM, the rows are written straight into
 //! its `holdfast.db` in one transaction, and it is started again on the same data
-//! dir; the bench prints how long that took and the store's size. Each point runs
-//! on both in turn and is followed by `ratio <workload> C=<c> prefilled/sqlite /
-//! empty = X.XXx`.
+//! dir (PostgreSQL: into its database, then ANALYZE, `prefill_postgres.rs`); the
+//! bench prints how long that took and the store's size. Each point runs on both
+//! in turn and is followed by `ratio <workload> C=<c> prefilled/<store> / empty =
+//! X.XXx`.
 //!
 //! `--floors yes` precedes every point whose operations run one after another (C=1,
 //! and hand-offs at every C) with the steps no server can skip, each timed alone
@@ -92,6 +93,7 @@ mod etcd;
 mod floors;
 mod holdfast;
 mod prefill;
+mod prefill_postgres;
 mod process;
 mod reference;
 mod report;
@@ -306,15 +308,18 @@ impl Bench {
                     server: Some(server),
                     prefilled: false,
                 });
-                match (&args.prefill, store.as_str()) {
-                    (Some(p), "sqlite") => {
-                        let target = start_prefilled(client, p).await?;
-                        self.targets.push(target);
-                    }
-                    (Some(_), _) => {
-                        eprintln!("holdfast-bench: --prefill: {store} runs on an empty store only");
-                    }
-                    (None, _) => {}
+                if let Some(p) = &args.prefill {
+                    let database = match store.as_str() {
+                        "postgres" => {
+                            let name = format!("holdfast_bench_{run_id}_prefilled");
+                            let url = holdfast::create_database(&args.postgres, &name).await?;
+                            self.databases.push(name);
+                            Some(url)
+                        }
+                        _ => None,
+                    };
+                    let target = start_prefilled(client, p, store, database.as_deref()).await?;
+                    self.targets.push(target);
                 }
             }
         }
@@ -501,12 +506,17 @@ impl Bench {
     }
 }
 
-/// Starts a holdfast on SQLite, stops it once it has made its schema, writes `p`
-/// into its store and starts it again on it (see `prefill.rs`); prints how long
-/// that took.
-async fn start_prefilled(client: &Client, p: &Prefill) -> Result<Target, String> {
+/// Starts a holdfast on `store` (SQLite, or PostgreSQL on `database`), stops it
+/// once it has made its schema, writes `p` into its store and starts it again on
+/// it (see `prefill.rs`); prints how long that took.
+async fn start_prefilled(
+    client: &Client,
+    p: &Prefill,
+    store: &str,
+    database: Option<&str>,
+) -> Result<Target, String> {
     let started = std::time::Instant::now();
-    let (mut server, url) = holdfast::start_server(None, None).await?;
+    let (mut server, url) = holdfast::start_server(database, None).await?;
     let api = holdfast::Api {
         client: client.clone(),
         base: url,
@@ -516,9 +526,18 @@ async fn start_prefilled(client: &Client, p: &Prefill) -> Result<Target, String>
         .stop_keeping_dir(rustix::process::Signal::TERM)
         .await
         .ok_or("prefill: the server's data dir is gone")?;
-    let written = prefill::sqlite(dir.path(), p).await?;
-    let store = prefill::store_mib(dir.path()).unwrap_or(0.0);
-    let (mut server, url) = holdfast::start_server(None, Some(dir)).await?;
+    let (written, mib) = match database {
+        Some(db) => {
+            let written = prefill_postgres::postgres(db, dir.path(), p).await?;
+            (written, prefill_postgres::database_mib(db).await)
+        }
+        None => (
+            prefill::sqlite(dir.path(), p).await?,
+            prefill::store_mib(dir.path()),
+        ),
+    };
+    let mib = mib.unwrap_or(0.0);
+    let (mut server, url) = holdfast::start_server(database, Some(dir)).await?;
     let api = holdfast::Api {
         client: client.clone(),
         base: url.clone(),
@@ -526,7 +545,7 @@ async fn start_prefilled(client: &Client, p: &Prefill) -> Result<Target, String>
     let restarted = std::time::Instant::now();
     holdfast::wait_ready(&api, Some(&mut server)).await?;
     println!(
-        "holdfast-bench: prefilled/sqlite: {} written in {:.1} s, store {store:.1} MiB, \
+        "holdfast-bench: prefilled/{store}: {} written in {:.1} s, store {mib:.1} MiB, \
          ready again in {:.2} s, {:.1} s in all",
         p.describe(),
         written.as_secs_f64(),
@@ -534,7 +553,7 @@ async fn start_prefilled(client: &Client, p: &Prefill) -> Result<Target, String>
         started.elapsed().as_secs_f64()
     );
     Ok(Target {
-        label: "prefilled/sqlite".into(),
+        label: format!("prefilled/{store}"),
         url,
         version: None,
         endpoint: Endpoint::Holdfast(api),

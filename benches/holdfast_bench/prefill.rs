@@ -209,6 +209,45 @@ async fn scalar(c: &mut SqliteConnection, sql: &str) -> Result<i64, String> {
     Ok(v.0)
 }
 
+/// What every row of a prefill is made of, on either store.
+pub struct Facts {
+    /// The first lease's start, in ms: all end 10 ms apart, the last a minute ago.
+    pub t0: i64,
+    pub n: i64,
+    pub m: i64,
+    pub r: i64,
+    /// The records that keep their end event.
+    pub k: i64,
+    pub host: String,
+    pub boot: String,
+    pub hostname: String,
+    /// The data dir, for the processes' log paths.
+    pub dir: String,
+}
+
+impl Facts {
+    pub fn of(p: &Prefill, data_dir: &Path) -> Facts {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        let (n, m) = (p.leases, p.processes);
+        Facts {
+            t0: now - (n + m) * 10 - 60_000,
+            n,
+            m,
+            r: p.resources_or_default(),
+            k: p.events.min(n + m),
+            host: system_fact("/etc/machine-id", "bench-host"),
+            boot: system_fact(
+                "/proc/sys/kernel/random/boot_id",
+                "00000000-0000-0000-0000-000000000000",
+            ),
+            hostname: system_fact("/proc/sys/kernel/hostname", "localhost"),
+            dir: data_dir.display().to_string(),
+        }
+    }
+}
+
 /// Writes `p` into `<data_dir>/holdfast.db` (made by a server that has stopped) in
 /// one transaction; returns how long the writing took.
 pub async fn sqlite(data_dir: &Path, p: &Prefill) -> Result<Duration, String> {
@@ -228,20 +267,17 @@ pub async fn sqlite(data_dir: &Path, p: &Prefill) -> Result<Duration, String> {
     let what = format!("cannot open {}", db.display());
     let mut c = ctx(SqliteConnection::connect_with(&opts).await, what)?;
 
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-    let (n, m, r) = (p.leases, p.processes, p.resources_or_default());
-    let k = p.events.min(n + m);
-    // All ended 10 ms apart, the last a minute ago.
-    let t0 = now - (n + m) * 10 - 60_000;
-    let host = system_fact("/etc/machine-id", "bench-host");
-    let boot = system_fact(
-        "/proc/sys/kernel/random/boot_id",
-        "00000000-0000-0000-0000-000000000000",
-    );
-    let hostname = system_fact("/proc/sys/kernel/hostname", "localhost");
-    let dir = data_dir.display().to_string();
+    let Facts {
+        t0,
+        n,
+        m,
+        r,
+        k,
+        host,
+        boot,
+        hostname,
+        dir,
+    } = Facts::of(p, data_dir);
 
     let mut tx = ctx(c.begin().await, "cannot begin the prefill")?;
     let lease_rowid = scalar(&mut tx, "SELECT COALESCE(max(rowid), 0) FROM leases").await?;
@@ -292,13 +328,10 @@ pub async fn sqlite(data_dir: &Path, p: &Prefill) -> Result<Duration, String> {
             .await;
         ctx(process_events, "prefill: process events")?;
         if skipped > 0 {
-            let pruned = sqlx::query(
-                "INSERT INTO meta (key, value) VALUES ('pruned_through', $1) \
-                 ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-            )
-            .bind((seq + skipped).to_string())
-            .execute(&mut *tx)
-            .await;
+            let pruned = sqlx::query(PRUNED_THROUGH)
+                .bind((seq + skipped).to_string())
+                .execute(&mut *tx)
+                .await;
             ctx(pruned, "prefill: meta")?;
         }
     }
@@ -306,6 +339,10 @@ pub async fn sqlite(data_dir: &Path, p: &Prefill) -> Result<Duration, String> {
     ctx(c.close().await, "cannot close the prefilled store")?;
     Ok(started.elapsed())
 }
+
+/// Records the seqs below `$1` as pruned, as retention does (the same text for both stores).
+pub const PRUNED_THROUGH: &str = "INSERT INTO meta (key, value) VALUES ('pruned_through', $1) \
+     ON CONFLICT (key) DO UPDATE SET value = excluded.value";
 
 /// The size of the SQLite store in `data_dir` (the file, its WAL and shm), in MiB;
 /// None when there is none (PostgreSQL).
