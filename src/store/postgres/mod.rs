@@ -8,6 +8,8 @@ mod notify;
 mod pipeline;
 mod renewals;
 mod schema;
+#[cfg(test)]
+mod scratch;
 mod writer;
 
 use std::str::FromStr;

@@ -678,53 +678,17 @@ fn answer(listener: &dyn CommitListener, done: Done, effects: &[Effect]) {
 mod tests {
     use super::*;
     use crate::model::LeaseState;
-    use crate::store::postgres::{PgStore, PoolSettings};
     use crate::store::{JobFn, JobOutput, Result};
     use crate::tx::fixture::lease_record;
     use sqlx::Connection;
     use tokio::sync::oneshot;
 
-    struct Nobody;
-    impl CommitListener for Nobody {
-        fn committed(&self, _: &[Effect]) {}
-    }
+    use super::super::scratch::Nobody;
 
-    /// A store on a new database of the test PostgreSQL, or None when off,
-    /// or when `HOLDFAST_TEST_POSTGRES` is unset and nothing answers at the
-    /// default address (as in tests/integration/stores.rs).
+    /// A writer on a new database of the test PostgreSQL, or None when off
+    /// (`scratch::database`).
     async fn store() -> Option<Writer> {
-        let (base, required) = match std::env::var("HOLDFAST_TEST_POSTGRES") {
-            Ok(v) if v == "off" => {
-                eprintln!("SKIPPED: HOLDFAST_TEST_POSTGRES=off");
-                return None;
-            }
-            Ok(v) if !v.is_empty() => (v, true),
-            _ => ("postgres://postgres@127.0.0.1:5432".into(), false),
-        };
-        let name = format!("hf_t_{}", uuid::Uuid::now_v7().simple());
-        let mut admin = match sqlx::PgConnection::connect(&format!("{base}/postgres")).await {
-            Ok(c) => c,
-            Err(sqlx::Error::Io(e)) if !required => {
-                eprintln!(
-                    "SKIPPED: HOLDFAST_TEST_POSTGRES is unset and {base} does not answer: {e}"
-                );
-                return None;
-            }
-            Err(e) => panic!("cannot reach the test PostgreSQL at {base}: {e}"),
-        };
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut admin)
-            .await
-            .expect("create");
-        let settings = PoolSettings {
-            max_connections: 4,
-            timeout: std::time::Duration::from_secs(5),
-        };
-        let url = format!("{base}/{name}");
-        let store = PgStore::connect(&url, &settings, Arc::new(Nobody))
-            .await
-            .expect("store");
-        crate::store::Backend::close(&store).await;
+        let url = super::super::scratch::database().await?;
         let pool = sqlx::postgres::PgPoolOptions::new()
             .after_connect(|c, _| super::super::pipeline::install(c))
             .connect(&url)
