@@ -109,25 +109,37 @@ const FUNCTION: &str = concat!(
                 RAISE EXCEPTION 'a lease vanished during update';
             END IF;
         END LOOP;
-        INSERT INTO leases (",
+        -- Each statement below runs only when it has rows: a statement,
+        -- even of none, costs its executor's start and end.
+        IF jsonb_array_length(lease_inserts) > 0 THEN
+            INSERT INTO leases (",
     lease_cols!(),
     ") SELECT j->>0, j->>1, (j->>2)::bigint, j->>3, j->>4, j->>5, j->>6, j->>7,
-            (j->>8)::bigint, (j->>9)::bigint, (j->>10)::bigint, (j->>11)::bigint,
-            (j->>12)::bigint, (j->>13)::bigint, j->>14, j->>15
-            FROM jsonb_array_elements(lease_inserts) AS j;
-        SELECT seq - seq_from INTO shift FROM event_seq;
-        INSERT INTO events (seq, at, body) SELECT (j->>0)::bigint + shift, (j->>1)::bigint, j->>2
-            FROM jsonb_array_elements(new_events) AS j;
-        SELECT max((j->>0)::bigint) INTO last FROM jsonb_array_elements(new_events) AS j;
-        IF last IS NOT NULL THEN
-            UPDATE event_seq SET seq = last + shift;
+                (j->>8)::bigint, (j->>9)::bigint, (j->>10)::bigint, (j->>11)::bigint,
+                (j->>12)::bigint, (j->>13)::bigint, j->>14, j->>15
+                FROM jsonb_array_elements(lease_inserts) AS j;
         END IF;
-        INSERT INTO resources (resource, last_token) SELECT j->>0, (j->>1)::bigint
-            FROM jsonb_array_elements(tokens) AS j
-            ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token;
-        PERFORM pg_notify(channel, CASE WHEN n->>1 IS NULL THEN n->>0
-                ELSE '{\"seq\":' || ((n->>1)::bigint + shift) || ',' || substr(n->>0, 2) END)
-            FROM jsonb_array_elements(notices) AS n;
+        IF jsonb_array_length(new_events) > 0 THEN
+            -- The counter moves to the batch's last seq, shifted, and the
+            -- shift comes back with it.
+            SELECT max((j->>0)::bigint) INTO last FROM jsonb_array_elements(new_events) AS j;
+            UPDATE event_seq SET seq = seq - seq_from + last RETURNING seq - last INTO shift;
+            INSERT INTO events (seq, at, body)
+                SELECT (j->>0)::bigint + shift, (j->>1)::bigint, j->>2
+                FROM jsonb_array_elements(new_events) AS j;
+        ELSE
+            SELECT seq - seq_from INTO shift FROM event_seq;
+        END IF;
+        IF jsonb_array_length(tokens) > 0 THEN
+            INSERT INTO resources (resource, last_token) SELECT j->>0, (j->>1)::bigint
+                FROM jsonb_array_elements(tokens) AS j
+                ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token;
+        END IF;
+        IF jsonb_array_length(notices) > 0 THEN
+            PERFORM pg_notify(channel, CASE WHEN n->>1 IS NULL THEN n->>0
+                    ELSE '{\"seq\":' || ((n->>1)::bigint + shift) || ',' || substr(n->>0, 2) END)
+                FROM jsonb_array_elements(notices) AS n;
+        END IF;
         IF marker_key IS NOT NULL THEN
             INSERT INTO meta (key, value) VALUES (marker_key, marker)
                 ON CONFLICT (key) DO UPDATE SET value = excluded.value;
