@@ -36,6 +36,11 @@ pub const SQLITE: &[File] = &[
         "partial parent index",
         include_str!("../../migrations/sqlite/0004_partial_parent_index.sql"),
     ),
+    (
+        5,
+        "renewals in place",
+        include_str!("../../migrations/sqlite/0005_renewals_in_place.sql"),
+    ),
 ];
 
 pub const POSTGRES: &[File] = &[
@@ -58,6 +63,11 @@ pub const POSTGRES: &[File] = &[
         4,
         "partial parent index",
         include_str!("../../migrations/postgres/0004_partial_parent_index.sql"),
+    ),
+    (
+        5,
+        "renewals in place",
+        include_str!("../../migrations/postgres/0005_renewals_in_place.sql"),
     ),
 ];
 

@@ -609,4 +609,30 @@ mod tests {
         );
         assert!(!c.db.in_transaction(), "no transaction was left open");
     }
+
+    /// A renewal sets these columns: no index of leases may hold them, or
+    /// every renewal, acquire and release writes one more page (see
+    /// migrations/sqlite/0005).
+    #[tokio::test]
+    async fn no_index_of_leases_holds_what_a_renewal_sets() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let url = format!("sqlite://{}?mode=rwc", dir.path().join("t.db").display());
+        let mut conn = sqlx::SqliteConnection::connect(&url).await.expect("open");
+        super::super::schema::migrate(&mut conn)
+            .await
+            .expect("schema");
+        let defs: Vec<String> = sqlx::query_scalar(
+            "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'leases' \
+             AND sql IS NOT NULL",
+        )
+        .fetch_all(&mut conn)
+        .await
+        .expect("indexes");
+        assert!(defs.len() >= 4, "the indexes of leases: {defs:?}");
+        for def in &defs {
+            for col in ["expires_at", "ttl_ms", "renewed_at"] {
+                assert!(!def.contains(col), "{def}");
+            }
+        }
+    }
 }
