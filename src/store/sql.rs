@@ -118,3 +118,15 @@ pub fn ports_of_owners(owner_ids: &[String]) -> Page<'_> {
         args: owner_ids.iter().map(String::as_str).collect(),
     }
 }
+
+/// For the stores' tests: `defs`, the indexes of leases as their schema
+/// writes them, hold none of the columns a renewal sets (see migration 5).
+#[cfg(test)]
+pub(crate) fn assert_no_index_holds_renewal_columns(defs: &[String]) {
+    assert!(defs.len() >= 4, "the indexes of leases: {defs:?}");
+    for def in defs {
+        for col in ["expires_at", "ttl_ms", "renewed_at"] {
+            assert!(!def.contains(col), "{def}");
+        }
+    }
+}
