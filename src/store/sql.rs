@@ -130,3 +130,22 @@ pub(crate) fn assert_no_index_holds_renewal_columns(defs: &[String]) {
         }
     }
 }
+
+/// For the stores' plan tests: 20,000 released leases (ids `ended-1`..,
+/// each on its own resource `r-1`..), as a long-running store keeps them;
+/// the same statement on either database.
+#[cfg(test)]
+pub(crate) const ENDED_LEASES: &str = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL \
+     SELECT i + 1 FROM n WHERE i < 20000) \
+     INSERT INTO leases (id, resource, token, holder, state, ttl_ms, expires_at, \
+     acquired_at, ended_at, end_reason, metadata) \
+     SELECT 'ended-' || i, 'r-' || i, 1, 'h', 'released', 1000, 1000, 0, 1, \
+     'released', '{}' FROM n";
+
+/// For the stores' plan tests: two current leases among the ended ones,
+/// one with an owner and one without.
+#[cfg(test)]
+pub(crate) const CURRENT_LEASES: &str = "INSERT INTO leases (id, resource, token, holder, \
+     state, owner, ttl_ms, expires_at, acquired_at, metadata) VALUES \
+     ('current', 'r-0', 1, 'h', 'active', NULL, 1000, 5000, 0, '{}'), \
+     ('owned', 'o-0', 1, 'h', 'active', '{}', NULL, NULL, 0, '{}')";

@@ -6,6 +6,8 @@
 mod literal;
 mod notify;
 mod pipeline;
+#[cfg(test)]
+mod plans;
 mod renewals;
 mod schema;
 #[cfg(test)]

@@ -107,7 +107,7 @@ const FUNCTION: &str = concat!(
 /// renewals per second at C=1 (`scripts/bench-compare`, 3 runs). Column 16
 /// is the statement's transaction, which is the renewed row's version
 /// (`cache::Version`), for the writer's cache.
-const RENEW_ONE: &str = concat!(
+pub(super) const RENEW_ONE: &str = concat!(
     "UPDATE leases SET ttl_ms = COALESCE($3, ttl_ms), \
      expires_at = $4 + COALESCE($3, ttl_ms), renewed_at = $4 \
      WHERE id = (SELECT id FROM leases WHERE id = $1 FOR UPDATE SKIP LOCKED) AND ",
@@ -434,108 +434,5 @@ impl RenewsPlain for Arc<Renewals> {
                 let _ = tokio::time::timeout(self.timeout, closing).await;
             }
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use sqlx::{Connection, PgConnection};
-
-    use super::RENEW_ONE;
-
-    /// The plans of a renewal, custom and generic (PostgreSQL's plan cache
-    /// takes the generic one after five executions), on a store of many
-    /// ended leases and one current: it must find its row by the primary
-    /// key. The function's statement is built of the same `renewable!`.
-    /// With the state tested as `lease_current!` does, both plans scanned
-    /// `leases_current_expiry` instead.
-    #[tokio::test]
-    async fn a_renewal_finds_its_lease_by_the_primary_key_among_many_ended_ones() {
-        let Some(url) = super::super::scratch::database().await else {
-            return;
-        };
-        let mut c = PgConnection::connect(&url).await.expect("connect");
-        sqlx::query(
-            "INSERT INTO leases (id, resource, token, holder, state, ttl_ms, expires_at, \
-             acquired_at, ended_at, end_reason, metadata) \
-             SELECT 'ended-' || i, 'r-' || i, 1, 'h', 'released', 1000, 1000, 0, 1, \
-             'released', '{}' FROM generate_series(1, 20000) AS i",
-        )
-        .execute(&mut c)
-        .await
-        .expect("ended leases");
-        sqlx::query(
-            "INSERT INTO leases (id, resource, token, holder, state, ttl_ms, expires_at, \
-             acquired_at, metadata) VALUES ('current', 'r-0', 1, 'h', 'active', 1000, 5000, \
-             0, '{}')",
-        )
-        .execute(&mut c)
-        .await
-        .expect("the current lease");
-        sqlx::query("ANALYZE leases")
-            .execute(&mut c)
-            .await
-            .expect("analyze");
-        let prepare = format!("PREPARE renew_one AS {RENEW_ONE}");
-        sqlx::raw_sql(&prepare)
-            .execute(&mut c)
-            .await
-            .expect("prepare");
-        for mode in ["force_custom_plan", "force_generic_plan"] {
-            let set = format!("SET plan_cache_mode = {mode}");
-            sqlx::raw_sql(&set).execute(&mut c).await.expect("set");
-            let plan: Vec<String> =
-                sqlx::query_scalar("EXPLAIN EXECUTE renew_one('current', 1, NULL, 2000)")
-                    .fetch_all(&mut c)
-                    .await
-                    .expect("explain");
-            let plan = plan.join("\n");
-            let scans: Vec<&str> = plan.lines().filter(|l| l.contains("Scan")).collect();
-            assert!(
-                !scans.is_empty() && scans.iter().all(|l| l.contains("leases_pkey")),
-                "{mode}: every scan by the primary key:\n{plan}"
-            );
-        }
-        // And it still re-checks the row: only the current lease, with its
-        // token, before it expires.
-        for (id, token, now, renews) in [
-            ("ended-1", 1, 0, false),
-            ("current", 2, 2000, false),
-            ("current", 1, 2000, true),
-            ("current", 1, 3000, false),
-        ] {
-            let rows = sqlx::query(RENEW_ONE)
-                .bind(id)
-                .bind(token)
-                .bind(None::<i64>)
-                .bind(now)
-                .fetch_all(&mut c)
-                .await
-                .expect("renew");
-            assert_eq!(
-                rows.len(),
-                usize::from(renews),
-                "{id} token {token} at {now}"
-            );
-        }
-        let _ = c.close().await;
-    }
-
-    /// A renewal sets these columns: while an index holds one, PostgreSQL
-    /// cannot update the row in place (HOT), and each renewal writes an
-    /// entry in every index of leases (see migrations/postgres/0005).
-    #[tokio::test]
-    async fn no_index_of_leases_holds_what_a_renewal_sets() {
-        let Some(url) = super::super::scratch::database().await else {
-            return;
-        };
-        let mut c = PgConnection::connect(&url).await.expect("connect");
-        let defs: Vec<String> =
-            sqlx::query_scalar("SELECT indexdef FROM pg_indexes WHERE tablename = 'leases'")
-                .fetch_all(&mut c)
-                .await
-                .expect("indexes");
-        crate::store::sql::assert_no_index_holds_renewal_columns(&defs);
-        let _ = c.close().await;
     }
 }

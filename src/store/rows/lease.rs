@@ -246,22 +246,27 @@ pub async fn list_leases<E: Exec + ?Sized>(c: &mut E, f: &LeaseFilter) -> Result
     leases(c, page.stmt()).await
 }
 
+/// The current leases the reconciler looks at (`$1`, the instant): those
+/// with an owner to judge, and those past their expiry. Both halves go
+/// through the partial indexes of current leases, however many ended ones
+/// are stored (tests in `store::sqlite::writer` and `store::postgres::plans`).
+pub const TO_RECONCILE: &str = concat!(
+    "SELECT ",
+    lease_cols!(),
+    " FROM leases WHERE ",
+    lease_current!(),
+    " AND owner IS NOT NULL UNION SELECT ",
+    lease_cols!(),
+    " FROM leases WHERE ",
+    lease_current!(),
+    " AND expires_at <= $1"
+);
+
 pub async fn leases_to_reconcile<E: Exec + ?Sized>(
     c: &mut E,
     now: Millis,
 ) -> Result<Vec<LeaseRecord>> {
-    const SQL: &str = concat!(
-        "SELECT ",
-        lease_cols!(),
-        " FROM leases WHERE ",
-        lease_current!(),
-        " AND owner IS NOT NULL UNION SELECT ",
-        lease_cols!(),
-        " FROM leases WHERE ",
-        lease_current!(),
-        " AND expires_at <= $1"
-    );
-    leases(c, Stmt::new(SQL).int(now)).await
+    leases(c, Stmt::new(TO_RECONCILE).int(now)).await
 }
 
 pub async fn count_current_leases<E: Exec + ?Sized>(c: &mut E) -> Result<i64> {

@@ -610,17 +610,23 @@ mod tests {
         assert!(!c.db.in_transaction(), "no transaction was left open");
     }
 
-    /// A renewal sets these columns: no index of leases may hold them, or
-    /// every renewal, acquire and release writes one more page (see
-    /// migrations/sqlite/0005).
-    #[tokio::test]
-    async fn no_index_of_leases_holds_what_a_renewal_sets() {
+    /// A new store file with the schema made, and a connection to it.
+    async fn migrated() -> (tempfile::TempDir, sqlx::SqliteConnection) {
         let dir = tempfile::tempdir().expect("tempdir");
         let url = format!("sqlite://{}?mode=rwc", dir.path().join("t.db").display());
         let mut conn = sqlx::SqliteConnection::connect(&url).await.expect("open");
         super::super::schema::migrate(&mut conn)
             .await
             .expect("schema");
+        (dir, conn)
+    }
+
+    /// A renewal sets these columns: no index of leases may hold them, or
+    /// every renewal, acquire and release writes one more page (see
+    /// migrations/sqlite/0005).
+    #[tokio::test]
+    async fn no_index_of_leases_holds_what_a_renewal_sets() {
+        let (_dir, mut conn) = migrated().await;
         let defs: Vec<String> = sqlx::query_scalar(
             "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'leases' \
              AND sql IS NOT NULL",
@@ -629,5 +635,55 @@ mod tests {
         .await
         .expect("indexes");
         crate::store::sql::assert_no_index_holds_renewal_columns(&defs);
+    }
+
+    /// The reconciler's pass reads the current leases only, through the
+    /// partial indexes that hold them, with many ended leases stored,
+    /// analyzed or not: with `leases_current_expiry` gone (migration 5),
+    /// its expired half goes through `leases_one_current`.
+    #[tokio::test]
+    async fn the_reconcilers_pass_reads_only_the_partial_indexes_of_current_leases() {
+        use crate::store::sql::{CURRENT_LEASES, ENDED_LEASES};
+        let (dir, mut conn) = migrated().await;
+        for sql in [ENDED_LEASES, CURRENT_LEASES] {
+            sqlx::query(sql).execute(&mut conn).await.expect(sql);
+        }
+        drop(conn);
+        let db = rusqlite::Connection::open(dir.path().join("t.db")).expect("open");
+        let sql = crate::store::rows::TO_RECONCILE;
+        for analyzed in [false, true] {
+            if analyzed {
+                db.execute_batch("ANALYZE").expect("analyze");
+            }
+            let mut plan = db
+                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .expect("explain");
+            let plan: Vec<String> = plan
+                .query_map([6000], |r| r.get::<_, String>(3))
+                .expect("plan")
+                .collect::<Result<_, _>>()
+                .expect("plan rows");
+            let scans: Vec<&String> = plan.iter().filter(|l| l.contains("leases")).collect();
+            assert!(
+                scans.len() == 2
+                    && scans.iter().all(|l| {
+                        l.contains("INDEX leases_one_current")
+                            || l.contains("INDEX leases_current_owned")
+                    }),
+                "analyzed {analyzed}: both halves through the partial indexes: {plan:?}"
+            );
+            let ids = |now: i64| {
+                let mut q = db.prepare(&format!("SELECT id FROM ({sql})")).expect("q");
+                let mut ids = q
+                    .query_map([now], |r| r.get::<_, String>(0))
+                    .expect("ids")
+                    .collect::<Result<Vec<_>, _>>()
+                    .expect("ids");
+                ids.sort();
+                ids
+            };
+            assert_eq!(ids(4000), ["owned"], "analyzed {analyzed}");
+            assert_eq!(ids(6000), ["current", "owned"], "analyzed {analyzed}");
+        }
     }
 }
