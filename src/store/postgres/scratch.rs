@@ -36,6 +36,7 @@ pub async fn database() -> Option<String> {
         }
         Err(e) => panic!("cannot reach the test PostgreSQL at {base}: {e}"),
     };
+    sweep(&mut admin).await;
     sqlx::query(&format!("CREATE DATABASE {name}"))
         .execute(&mut admin)
         .await
@@ -50,4 +51,29 @@ pub async fn database() -> Option<String> {
         .expect("store");
     store.close().await;
     Some(url)
+}
+
+/// Drops the test databases (these and the integration tests', both named
+/// `hf_t_<uuid v7>`) made over an hour ago: these are never dropped by the
+/// test that made them, which cannot wait in a `Drop`, and a test run
+/// killed midway leaves the others. No test runs for an hour.
+async fn sweep(admin: &mut sqlx::PgConnection) {
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'hf\\_t\\_%'")
+            .fetch_all(&mut *admin)
+            .await
+            .unwrap_or_default();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    for name in names {
+        let made = uuid::Uuid::parse_str(&name["hf_t_".len()..])
+            .ok()
+            .and_then(|u| u.get_timestamp())
+            .map(|t| t.to_unix().0);
+        if made.is_some_and(|at| at + 3600 < now) {
+            let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+            let _ = sqlx::query(&drop).execute(&mut *admin).await;
+        }
+    }
 }
