@@ -313,7 +313,8 @@ async fn post_until_answered(
         {
             Ok(res) => res,
             Err(e) => {
-                last = e.to_string();
+                last = crate::support::chain(&e);
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
                 continue;
             }
         };

@@ -7,11 +7,12 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
-use rustix::process::{Pid, Signal, kill_process, kill_process_group};
+use rustix::process::{Pid, Signal, kill_process};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use crate::kill::Group;
 use crate::support::{Server, alive, until};
 
 const BIN: &str = env!("CARGO_BIN_EXE_holdfast");
@@ -122,17 +123,6 @@ async fn wait_for_file(path: &Path) -> String {
     })
     .await;
     text
-}
-
-/// SIGKILLs a process group when dropped: no command outlives a failed test.
-struct Group(i32);
-
-impl Drop for Group {
-    fn drop(&mut self) {
-        if let Some(pgid) = Pid::from_raw(self.0) {
-            let _ = kill_process_group(pgid, Signal::KILL);
-        }
-    }
 }
 
 fn signal(child: &Child, sig: Signal) {
@@ -632,7 +622,7 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
     .await
     .json();
     let pid = spawned["pid"].as_i64().expect("pid") as i32;
-    let _group = Group(pid);
+    let _group = Group::new(pid);
     let port = spawned["ports"]["http"].as_u64().expect("a port");
     assert_eq!(spawned["state"], "running");
     assert_eq!(spawned["operation_id"], "op-1");
@@ -649,7 +639,7 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
         .and_then(|r| r.split_whitespace().nth(4))
         .and_then(|p| p.parse().ok())
         .expect("pid column");
-    let _idle = Group(idle_pid);
+    let _idle = Group::new(idle_pid);
 
     let ps = ok(hf(&s, "ps")).await;
     assert_eq!(ps.stdout.lines().count(), 3, "{}", ps.stdout);
@@ -839,7 +829,7 @@ async fn start(mut cmd: Command, dir: &Path) -> Running {
     Running {
         child,
         pid,
-        _group: Group(pid),
+        _group: Group::new(pid),
     }
 }
 

@@ -19,6 +19,25 @@ pub struct Server {
     dir: std::path::PathBuf,
     /// Killed with SIGKILL: its children stay, for the next server on `dir`.
     crashed: bool,
+    /// The last lines of its log, shown when a test fails.
+    log: Log,
+}
+
+/// The tail of a server's log.
+type Log = std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>;
+const LOG_TAIL: usize = 60;
+
+/// An error with its causes, as `error sending request` alone does not say
+/// whether the server refused, reset or was gone.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 pub struct Reply {
@@ -75,19 +94,28 @@ impl Server {
             .expect("spawn holdfast");
         let stderr = child.stderr.take().expect("stderr");
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let log = Log::default();
         // Read the log until the listening line, then keep draining it so the
         // server never blocks on a full pipe.
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            let mut tx = Some(tx);
-            while let Ok(Some(line)) = lines.next_line().await {
-                if let Some(addr) = line.split("holdfast listening addr=").nth(1)
-                    && let Some(tx) = tx.take()
-                {
-                    let _ = tx.send(addr.trim().to_owned());
-                }
-                if std::env::var_os("HOLDFAST_TEST_LOG").is_some() {
-                    eprintln!("server: {line}");
+        tokio::spawn({
+            let log = log.clone();
+            async move {
+                let mut lines = BufReader::new(stderr).lines();
+                let mut tx = Some(tx);
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if let Some(addr) = line.split("holdfast listening addr=").nth(1)
+                        && let Some(tx) = tx.take()
+                    {
+                        let _ = tx.send(addr.trim().to_owned());
+                    }
+                    if std::env::var_os("HOLDFAST_TEST_LOG").is_some() {
+                        eprintln!("server: {line}");
+                    }
+                    let mut log = log.lock().unwrap_or_else(|e| e.into_inner());
+                    if log.len() == LOG_TAIL {
+                        log.pop_front();
+                    }
+                    log.push_back(line);
                 }
             }
         });
@@ -105,6 +133,7 @@ impl Server {
             _tmp: None,
             dir: dir.to_path_buf(),
             crashed: false,
+            log,
         }
     }
 
@@ -258,14 +287,29 @@ pub fn metric(m: &Value, series: &str) -> Option<u64> {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // A failing test shows how its server fared: whether it still ran,
+        // and the end of its log.
+        if std::thread::panicking() && !self.crashed {
+            let state = match self.child.try_wait() {
+                Ok(None) => "running".to_owned(),
+                Ok(Some(status)) => format!("exited: {status}"),
+                Err(e) => format!("unknown: {e}"),
+            };
+            let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+            let tail: Vec<&str> = log.iter().map(String::as_str).collect();
+            eprintln!(
+                "server {} ({state}), its last {} log lines:\n{}",
+                self.base,
+                tail.len(),
+                tail.join("\n")
+            );
+        }
         // A test that ends, or fails, leaves none of the processes its
         // server spawned behind (a crashed server's are the next one's).
         if !self.crashed {
-            for pid in holders_under(&self.dir.join("logs")) {
-                let _ = rustix::process::kill_process(
-                    rustix::process::Pid::from_raw(pid).expect("a pid"),
-                    rustix::process::Signal::KILL,
-                );
+            let logs = self.dir.join("logs");
+            for pid in holders_under(&logs) {
+                crate::kill::kill_if(pid, |pid| holds_under(pid, &logs));
             }
         }
         if let Some(tmp) = &self._tmp {
@@ -276,22 +320,21 @@ impl Drop for Server {
 
 /// Pids of processes holding a file in `dir` open.
 pub fn holders_under(dir: &Path) -> Vec<i32> {
-    let Ok(dir) = dir.canonicalize() else {
-        return Vec::new();
-    };
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    procs
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
-                fds.flatten()
-                    .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t.starts_with(&dir)))
-            })
-        })
+    crate::kill::pids()
+        .into_iter()
+        .filter(|pid| holds_under(*pid, dir))
         .collect()
+}
+
+/// Whether process `pid` holds a file in `dir` open.
+pub fn holds_under(pid: i32, dir: &Path) -> bool {
+    let Ok(dir) = dir.canonicalize() else {
+        return false;
+    };
+    std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+        fds.flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t.starts_with(&dir)))
+    })
 }
 
 /// A real child process to own leases: `sleep`, in its own process group.
