@@ -19,9 +19,36 @@ use crate::stats::Stats;
 pub struct Api {
     pub client: Client,
     pub base: String,
+    /// With `--hosts N`, the other servers on the same database: client `i`
+    /// of a run talks to host `i % N` (`host`).
+    pub others: Vec<String>,
 }
 
 impl Api {
+    /// One server's API, with no other hosts.
+    pub fn new(client: &Client, base: String) -> Self {
+        Self {
+            client: client.clone(),
+            base,
+            others: Vec::new(),
+        }
+    }
+
+    /// The API as client `i` of a run uses it: on host `i % N`.
+    pub fn host(&self, i: usize) -> Api {
+        let n = self.others.len() + 1;
+        let base = match i % n {
+            0 => self.base.clone(),
+            k => self.others[k - 1].clone(),
+        };
+        Api::new(&self.client, base)
+    }
+
+    /// Every host's API.
+    fn hosts(&self) -> impl Iterator<Item = Api> + '_ {
+        (0..=self.others.len()).map(|i| self.host(i))
+    }
+
     /// POSTs JSON; the status and the JSON body (Null when not JSON) of the answer.
     async fn post(&self, path: &str, body: Value) -> Result<(StatusCode, Value), reqwest::Error> {
         let url = format!("{}{path}", self.base);
@@ -67,8 +94,17 @@ impl Api {
     }
 
     /// `holdfast_store_round_trips_total` (statements sent to PostgreSQL for
-    /// writes) in GET /metrics; None when the server does not export it.
+    /// writes) in GET /metrics, summed over the hosts; None when a server
+    /// does not export it.
     pub async fn round_trips(&self) -> Option<f64> {
+        let mut sum = 0.0;
+        for host in self.hosts() {
+            sum += host.round_trips_here().await?;
+        }
+        Some(sum)
+    }
+
+    async fn round_trips_here(&self) -> Option<f64> {
         let text = self.metrics().await?;
         text.lines().find_map(|l| {
             let value = l.strip_prefix("holdfast_store_round_trips_total ")?;
@@ -80,7 +116,16 @@ impl Api {
     /// `holdfast_store_transactions_total` (the group commit's write transactions; the
     /// name `holdfast_store_commits_total` is read too) in GET /metrics. 0 while the
     /// family is there without such a sample; None when the server does not export it.
+    /// Summed over the hosts.
     pub async fn durable_commits(&self) -> Option<f64> {
+        let mut sum = 0.0;
+        for host in self.hosts() {
+            sum += host.durable_commits_here().await?;
+        }
+        Some(sum)
+    }
+
+    async fn durable_commits_here(&self) -> Option<f64> {
         const FAMILIES: [&str; 2] = ["holdfast_store_transactions", "holdfast_store_commits"];
         let text = self.metrics().await?;
         let mut found = None;

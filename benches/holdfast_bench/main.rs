@@ -8,7 +8,8 @@
 //! cargo bench --bench holdfast-bench -- [--url http://127.0.0.1:7427] \
 //!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn,stop50] \
 //!     [--stores sqlite,postgres] [--postgres postgres://postgres@127.0.0.1:5432] \
-//!     [--against etcd,supervisord] [--prefill leases=N,processes=M[,resources=R][,events=K]]
+//!     [--against etcd,supervisord] [--prefill leases=N,processes=M[,resources=R][,events=K]] \
+//!     [--floors yes] [--hosts N]
 //! ```
 //!
 //! `--stores` (without `--url`) starts one server per store and runs every
@@ -42,6 +43,14 @@
 //! bench prints how long that took and the store's size. Each point runs on both
 //! in turn and is followed by `ratio <workload> C=<c> prefilled/<store> / empty =
 //! X.XXx`.
+//!
+//! `--hosts N` (with the `postgres` store, without `--url`) also starts N servers
+//! on one database of their own (`holdfast_bench_<run id>_fleet`), as the hosts of
+//! a fleet share one: the target `fleet<N>/postgres`, whose client `i` talks to
+//! host `i % N` (in `contended`, waiters on one host are handed the lease by
+//! releases on another). Its `cpu` is that of all N servers, `ops/commit` and
+//! `rt/op` are summed over them, and each point is followed by `ratio <workload>
+//! C=<c> fleet<N>/postgres / postgres = X.XXx`.
 //!
 //! `--floors yes` precedes every point whose operations run one after another (C=1,
 //! and hand-offs at every C) with the steps no server can skip, each timed alone
@@ -113,7 +122,7 @@ use crate::target::{Endpoint, Target};
 const USAGE: &str = "usage: cargo bench --bench holdfast-bench -- [--url URL] \
     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn,stop50] \
     [--stores sqlite,postgres] [--postgres URL] [--against etcd,supervisord] \
-    [--prefill leases=N,processes=M[,resources=R][,events=K]] [--floors yes|no]";
+    [--prefill leases=N,processes=M[,resources=R][,events=K]] [--floors yes|no] [--hosts N]";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Workload {
@@ -178,6 +187,8 @@ struct Args {
     prefill: Option<Prefill>,
     /// `--floors yes`: each point with a bound is preceded by its floors (`floors.rs`).
     floors: bool,
+    /// `--hosts N`: the `postgres` store also runs as N servers on one database.
+    hosts: usize,
 }
 
 /// Adds what failed to an error, for `?` on setup steps.
@@ -203,6 +214,7 @@ fn parse_args() -> Result<Args, String> {
         against: Vec::new(),
         prefill: None,
         floors: false,
+        hosts: 1,
     };
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench"); // added by cargo bench
     while let Some(flag) = it.next() {
@@ -234,6 +246,10 @@ fn parse_args() -> Result<Args, String> {
                 args.against = against;
             }
             "--prefill" => args.prefill = Some(ctx(Prefill::parse(&value), "--prefill")?),
+            "--hosts" => match value.parse::<usize>() {
+                Ok(n) if n > 0 => args.hosts = n,
+                _ => return Err(format!("--hosts: {value:?} is not a positive number")),
+            },
             "--floors" => {
                 args.floors = match value.as_str() {
                     "yes" => true,
@@ -246,6 +262,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if args.url.is_some() && args.stores.len() > 1 {
         return Err("--url measures one server: give --stores only without it".into());
+    }
+    if args.hosts > 1 && (args.url.is_some() || !args.stores.iter().any(|s| s == "postgres")) {
+        return Err("--hosts runs servers the bench starts on PostgreSQL: give --stores postgres, not --url".into());
     }
     if args.url.is_some() && args.prefill.is_some() {
         return Err("--prefill writes into the stores the bench starts: not with --url".into());
@@ -278,11 +297,9 @@ impl Bench {
                 label: store,
                 url: url.clone(),
                 version: None,
-                endpoint: Endpoint::Holdfast(holdfast::Api {
-                    client: client.clone(),
-                    base: url.clone(),
-                }),
+                endpoint: Endpoint::Holdfast(holdfast::Api::new(client, url.clone())),
                 server: None,
+                others: Vec::new(),
                 prefilled: false,
             });
         } else {
@@ -301,13 +318,18 @@ impl Bench {
                     label: store.clone(),
                     url: url.clone(),
                     version: None,
-                    endpoint: Endpoint::Holdfast(holdfast::Api {
-                        client: client.clone(),
-                        base: url,
-                    }),
+                    endpoint: Endpoint::Holdfast(holdfast::Api::new(client, url)),
                     server: Some(server),
+                    others: Vec::new(),
                     prefilled: false,
                 });
+                if store == "postgres" && args.hosts > 1 {
+                    let name = format!("holdfast_bench_{run_id}_fleet");
+                    let url = holdfast::create_database(&args.postgres, &name).await?;
+                    self.databases.push(name);
+                    self.targets
+                        .push(start_fleet(client, &url, args.hosts).await?);
+                }
                 if let Some(p) = &args.prefill {
                     let database = match store.as_str() {
                         "postgres" => {
@@ -359,6 +381,7 @@ impl Bench {
                 version: None,
                 endpoint,
                 server: Some(server),
+                others: Vec::new(),
                 prefilled: false,
             });
         }
@@ -453,6 +476,16 @@ impl Bench {
                         }
                     }
                 }
+                for (t, fleet) in &rates {
+                    let Some(store) = t.single_label() else {
+                        continue;
+                    };
+                    let single = rates.iter().find(|(s, _)| s.label == store && !s.prefilled);
+                    if let Some((_, single)) = single {
+                        report::fleet_ratio(name, c, &t.label, *fleet, store, *single);
+                        ratios = true;
+                    }
+                }
                 for (t, prefilled) in &rates {
                     let Some(store) = t.empty_label() else {
                         continue;
@@ -496,7 +529,7 @@ impl Bench {
             }
         }
         for t in self.targets {
-            if let Some(server) = t.server {
+            for server in t.server.into_iter().chain(t.others) {
                 server.stop().await;
             }
         }
@@ -517,10 +550,7 @@ async fn start_prefilled(
 ) -> Result<Target, String> {
     let started = std::time::Instant::now();
     let (mut server, url) = holdfast::start_server(database, None).await?;
-    let api = holdfast::Api {
-        client: client.clone(),
-        base: url,
-    };
+    let api = holdfast::Api::new(client, url);
     holdfast::wait_ready(&api, Some(&mut server)).await?;
     let dir = server
         .stop_keeping_dir(rustix::process::Signal::TERM)
@@ -538,10 +568,7 @@ async fn start_prefilled(
     };
     let mib = mib.unwrap_or(0.0);
     let (mut server, url) = holdfast::start_server(database, Some(dir)).await?;
-    let api = holdfast::Api {
-        client: client.clone(),
-        base: url.clone(),
-    };
+    let api = holdfast::Api::new(client, url.clone());
     let restarted = std::time::Instant::now();
     holdfast::wait_ready(&api, Some(&mut server)).await?;
     println!(
@@ -558,7 +585,39 @@ async fn start_prefilled(
         version: None,
         endpoint: Endpoint::Holdfast(api),
         server: Some(server),
+        others: Vec::new(),
         prefilled: true,
+    })
+}
+
+/// Starts `hosts` holdfast servers on the one PostgreSQL database `url`, as
+/// hosts of a fleet are (`--hosts N`): one target, `fleet<N>/postgres`, whose
+/// clients are spread over them.
+async fn start_fleet(client: &Client, url: &str, hosts: usize) -> Result<Target, String> {
+    let mut servers = Vec::with_capacity(hosts);
+    let mut bases = Vec::with_capacity(hosts);
+    for _ in 0..hosts {
+        let (server, base) = holdfast::start_server(Some(url), None).await?;
+        servers.push(server);
+        bases.push(base);
+    }
+    let server = servers.remove(0);
+    let base = bases.remove(0);
+    let api = holdfast::Api {
+        others: bases,
+        ..holdfast::Api::new(client, base.clone())
+    };
+    for host in 1..hosts {
+        holdfast::wait_ready(&api.host(host), servers.get_mut(host - 1)).await?;
+    }
+    Ok(Target {
+        label: format!("fleet{hosts}/postgres"),
+        url: base,
+        version: None,
+        endpoint: Endpoint::Holdfast(api),
+        server: Some(server),
+        others: servers,
+        prefilled: false,
     })
 }
 

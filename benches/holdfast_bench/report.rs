@@ -49,6 +49,12 @@ pub fn prefilled_ratio(workload: &str, c: usize, store: &str, prefilled: f64, em
     println!("ratio {workload} C={c} prefilled/{store} / empty = {x:.2}x");
 }
 
+/// `ratio <workload> C=<c> fleet<N>/<store> / <store> = X.XXx`.
+pub fn fleet_ratio(workload: &str, c: usize, fleet: &str, ours: f64, store: &str, single: f64) {
+    let x = ours / single;
+    println!("ratio {workload} C={c} {fleet} / {store} = {x:.2}x");
+}
+
 /// `holdfast/<label> rss <when> X MiB`, with its peak and the store's size when known.
 pub fn rss(label: &str, when: &str, rss: Option<(f64, f64)>, store_mib: Option<f64>) {
     let Some((now, peak)) = rss else {

@@ -25,6 +25,8 @@ pub struct Target {
     pub endpoint: Endpoint,
     /// The process, when the bench started it.
     pub server: Option<Started>,
+    /// With `--hosts N`, the servers of the other hosts, on the same database.
+    pub others: Vec<Started>,
     /// A holdfast on a store the bench prefilled (`--prefill`), labelled
     /// `prefilled/<store>`.
     pub prefilled: bool,
@@ -41,6 +43,23 @@ impl Target {
         self.label
             .strip_prefix("prefilled/")
             .filter(|_| self.prefilled)
+    }
+
+    /// The label of the single server a fleet (`--hosts N`) is compared with.
+    pub fn single_label(&self) -> Option<&str> {
+        match self.others.is_empty() {
+            true => None,
+            false => self.label.split_once('/').map(|(_, store)| store),
+        }
+    }
+
+    /// The CPU time of its servers so far, in seconds.
+    fn cpu_seconds(&self) -> Option<f64> {
+        let mut sum = self.server.as_ref()?.cpu_seconds()?;
+        for other in &self.others {
+            sum += other.cpu_seconds()?;
+        }
+        Some(sum)
     }
 
     pub fn supports(&self, workload: Workload) -> bool {
@@ -62,7 +81,7 @@ impl Target {
         let own = format!("{prefix}/{i}");
         match (&self.endpoint, workload) {
             (Endpoint::Holdfast(api), w) => {
-                let api = api.clone();
+                let api = api.host(i);
                 match w {
                     Workload::Churn => tokio::spawn(holdfast::churn_client(api, own, until)),
                     Workload::Renew => tokio::spawn(holdfast::renew_client(api, own, until)),
@@ -103,7 +122,7 @@ impl Target {
         reference: f64,
     ) -> f64 {
         let (name, unit) = workload.labels();
-        let cpu_before = self.server.as_ref().and_then(Started::cpu_seconds);
+        let cpu_before = self.cpu_seconds();
         let (commits_before, trips_before) = match &self.endpoint {
             Endpoint::Holdfast(api) => (api.durable_commits().await, api.round_trips().await),
             _ => (None, None),
@@ -138,7 +157,7 @@ impl Target {
             Workload::Spawn => format!("   ratio {:.2} of raw fork+exec+wait", rate / reference),
             _ => String::new(),
         };
-        let cpu_after = self.server.as_ref().and_then(Started::cpu_seconds);
+        let cpu_after = self.cpu_seconds();
         if let (Some(before), Some(after)) = (cpu_before, cpu_after) {
             extra += &report::cpu(after - before, total.ops);
         }
