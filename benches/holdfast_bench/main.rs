@@ -469,7 +469,8 @@ impl Bench {
                     let anchor = rates.iter().find(|(t, _)| t.is_anchor());
                     let anchor = anchor.map(|(t, rate)| (t.label.as_str(), *rate));
                     for (t, ours) in rates.iter().filter(|(t, _)| !t.is_anchor()) {
-                        let store = t.empty_label().unwrap_or(&t.label);
+                        let store = t.single_label().or(t.empty_label());
+                        let store = store.unwrap_or(&t.label);
                         if let Some(b) = floors::bound_ms(f, workload, c, store, reference) {
                             floors::print_bound((name, c), &t.label, b, *ours, anchor);
                             ratios = true;

@@ -55,9 +55,12 @@ pub fn pids() -> Vec<i32> {
 }
 
 /// SIGKILLs a process group when dropped: no command outlives a failed test.
-/// Only the group this guard was made for: its members are in the session
-/// its leader was in and started no earlier, and a process whose pid is the
-/// group's id is its leader only if it started when the leader did.
+/// Only the group this guard was made for. The kernel hands out no pid that
+/// a process still uses as its group's id, so a process whose pid is the
+/// group's id but which started at another time than the leader means the
+/// group is gone, and its id taken by another. Otherwise its members are
+/// those in the group and in the session its leader was in, started no
+/// earlier.
 pub struct Group {
     pgid: i32,
     /// The leader as it was when the guard was made; None if it had ended.
@@ -68,6 +71,14 @@ impl Group {
     pub fn new(pgid: i32) -> Self {
         let leader = stat(pgid).filter(|s| s.pgrp == pgid);
         Self { pgid, leader }
+    }
+
+    /// Whether the id may still be this group's.
+    fn still_ours(&self) -> bool {
+        let Some(leader) = self.leader else {
+            return false;
+        };
+        stat(self.pgid).is_none_or(|s| s.start == leader.start)
     }
 
     fn holds(&self, pid: i32) -> bool {
@@ -85,7 +96,7 @@ impl Group {
 
 impl Drop for Group {
     fn drop(&mut self) {
-        if self.leader.is_none() {
+        if !self.still_ours() {
             return;
         }
         for pid in pids() {
@@ -95,18 +106,29 @@ impl Drop for Group {
 }
 
 #[tokio::test]
-async fn a_group_guard_kills_its_group_and_not_a_later_leader_of_its_id() {
+async fn a_group_guard_kills_its_group_and_not_a_later_one_of_its_id() {
     use std::os::unix::process::ExitStatusExt;
-    let mut leader = tokio::process::Command::new("sleep")
-        .arg("600")
+    use std::time::Duration;
+    // A leader with a member: the shell and the sleep it waits for.
+    let mut leader = tokio::process::Command::new("sh")
+        .args(["-c", "sleep 600 & wait"])
         .process_group(0)
         .kill_on_drop(true)
         .spawn()
-        .expect("spawn sleep");
+        .expect("spawn sh");
     let pid = i32::try_from(leader.id().expect("running")).expect("pid");
+    let mut member = None;
+    crate::support::until(Duration::from_secs(10), || {
+        member = crate::support::group_members(i64::from(pid))
+            .into_iter()
+            .find(|m| *m != i64::from(pid));
+        member.is_some()
+    })
+    .await;
+    let member = member.expect("the shell's sleep joined its group");
     let guard = Group::new(pid);
-    // The same id as a guard made for a group whose leader started earlier,
-    // ended, and left its id to this one.
+    // A guard made for an earlier group of the same id, in the same
+    // session, whose leader ended and left the id to this one.
     let stale = Group {
         pgid: pid,
         leader: guard.leader.map(|s| Stat {
@@ -116,13 +138,20 @@ async fn a_group_guard_kills_its_group_and_not_a_later_leader_of_its_id() {
     };
     drop(stale);
     assert!(
-        leader.try_wait().expect("try_wait").is_none(),
-        "a later leader of the id is left alone"
+        tokio::time::timeout(Duration::from_millis(300), leader.wait())
+            .await
+            .is_err(),
+        "a later group of the id is left alone"
     );
+    assert!(crate::support::alive(member), "its member too");
     drop(guard);
-    let status = tokio::time::timeout(std::time::Duration::from_secs(10), leader.wait())
+    let status = tokio::time::timeout(Duration::from_secs(10), leader.wait())
         .await
         .expect("killed in time")
         .expect("reaped");
     assert_eq!(status.signal(), Some(9), "its own group is killed");
+    assert!(
+        crate::support::until(Duration::from_secs(10), || !crate::support::alive(member)).await,
+        "and its member"
+    );
 }

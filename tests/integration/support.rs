@@ -308,6 +308,7 @@ impl Drop for Server {
         // server spawned behind (a crashed server's are the next one's).
         if !self.crashed {
             let logs = self.dir.join("logs");
+            let logs = logs.canonicalize().unwrap_or(logs);
             for pid in holders_under(&logs) {
                 crate::kill::kill_if(pid, |pid| holds_under(pid, &logs));
             }
@@ -320,20 +321,20 @@ impl Drop for Server {
 
 /// Pids of processes holding a file in `dir` open.
 pub fn holders_under(dir: &Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
     crate::kill::pids()
         .into_iter()
-        .filter(|pid| holds_under(*pid, dir))
+        .filter(|pid| holds_under(*pid, &dir))
         .collect()
 }
 
-/// Whether process `pid` holds a file in `dir` open.
+/// Whether process `pid` holds a file in `dir` (a canonical path) open.
 pub fn holds_under(pid: i32, dir: &Path) -> bool {
-    let Ok(dir) = dir.canonicalize() else {
-        return false;
-    };
     std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
         fds.flatten()
-            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t.starts_with(&dir)))
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t.starts_with(dir)))
     })
 }
 
