@@ -455,25 +455,17 @@ pub fn alive(pid: i64) -> bool {
 
 /// The pids in process group `pgid`.
 pub fn group_members(pgid: i64) -> Vec<i64> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i64>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let fields: Vec<&str> = stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .collect();
-        if fields.get(2).and_then(|g| g.parse::<i64>().ok()) == Some(pgid) && alive(pid) {
-            out.push(pid);
-        }
-    }
-    out
+    crate::kill::pids()
+        .into_iter()
+        .map(i64::from)
+        .filter(|&pid| {
+            i32::try_from(pid)
+                .ok()
+                .and_then(crate::kill::stat)
+                .is_some_and(|s| i64::from(s.pgrp) == pgid)
+                && alive(pid)
+        })
+        .collect()
 }
 
 /// Wait until `pred` holds, checking every few ms (for kernel state, which
