@@ -469,31 +469,20 @@ impl Bench {
                     let anchor = rates.iter().find(|(t, _)| t.is_anchor());
                     let anchor = anchor.map(|(t, rate)| (t.label.as_str(), *rate));
                     for (t, ours) in rates.iter().filter(|(t, _)| !t.is_anchor()) {
-                        let store = t.single_label().or(t.empty_label());
-                        let store = store.unwrap_or(&t.label);
+                        let store = t.baseline().map_or(t.label.as_str(), |(s, _)| s);
                         if let Some(b) = floors::bound_ms(f, workload, c, store, reference) {
                             floors::print_bound((name, c), &t.label, b, *ours, anchor);
                             ratios = true;
                         }
                     }
                 }
-                for (t, fleet) in &rates {
-                    let Some(store) = t.single_label() else {
+                for (t, ours) in &rates {
+                    let Some((base, shown)) = t.baseline() else {
                         continue;
                     };
-                    let single = rates.iter().find(|(s, _)| s.label == store && !s.prefilled);
-                    if let Some((_, single)) = single {
-                        report::fleet_ratio(name, c, &t.label, *fleet, store, *single);
-                        ratios = true;
-                    }
-                }
-                for (t, prefilled) in &rates {
-                    let Some(store) = t.empty_label() else {
-                        continue;
-                    };
-                    let empty = rates.iter().find(|(e, _)| e.label == store && !e.prefilled);
-                    if let Some((_, empty)) = empty {
-                        report::prefilled_ratio(name, c, store, *prefilled, *empty);
+                    let theirs = rates.iter().find(|(b, _)| b.label == base && !b.prefilled);
+                    if let Some((_, theirs)) = theirs {
+                        report::baseline_ratio((name, c), &t.label, *ours, shown, *theirs);
                         ratios = true;
                     }
                 }

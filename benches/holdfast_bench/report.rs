@@ -43,16 +43,18 @@ pub fn ratio(workload: &str, c: usize, store: &str, ours: f64, anchor: &str, the
     println!("ratio {workload} C={c} holdfast/{store} / {anchor} = {x:.2}x");
 }
 
-/// `ratio <workload> C=<c> prefilled/<store> / empty = X.XXx`.
-pub fn prefilled_ratio(workload: &str, c: usize, store: &str, prefilled: f64, empty: f64) {
-    let x = prefilled / empty;
-    println!("ratio {workload} C={c} prefilled/{store} / empty = {x:.2}x");
-}
-
-/// `ratio <workload> C=<c> fleet<N>/<store> / <store> = X.XXx`.
-pub fn fleet_ratio(workload: &str, c: usize, fleet: &str, ours: f64, store: &str, single: f64) {
-    let x = ours / single;
-    println!("ratio {workload} C={c} {fleet} / {store} = {x:.2}x");
+/// `ratio <workload> C=<c> <label> / <baseline> = X.XXx`: a prefilled store
+/// against the empty one (`prefilled/<store> / empty`), a fleet against one
+/// server (`fleet<N>/<store> / <store>`).
+pub fn baseline_ratio(
+    (workload, c): (&str, usize),
+    label: &str,
+    ours: f64,
+    base: &str,
+    theirs: f64,
+) {
+    let x = ours / theirs;
+    println!("ratio {workload} C={c} {label} / {base} = {x:.2}x");
 }
 
 /// `holdfast/<label> rss <when> X MiB`, with its peak and the store's size when known.

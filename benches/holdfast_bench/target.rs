@@ -37,20 +37,20 @@ impl Target {
         !matches!(self.endpoint, Endpoint::Holdfast(_))
     }
 
-    /// The label of the holdfast on the empty store that a prefilled one is compared
-    /// with.
-    pub fn empty_label(&self) -> Option<&str> {
-        self.label
-            .strip_prefix("prefilled/")
-            .filter(|_| self.prefilled)
-    }
-
-    /// The label of the single server a fleet (`--hosts N`) is compared with.
-    pub fn single_label(&self) -> Option<&str> {
-        match self.others.is_empty() {
-            true => None,
-            false => self.label.split_once('/').map(|(_, store)| store),
+    /// What a holdfast is compared with besides the anchors: the label of the
+    /// target on one server and an empty store, and its name in the ratio line.
+    /// A prefilled store (`--prefill`) is compared with the empty one (`empty`),
+    /// a fleet (`--hosts N`) with its store on one server.
+    pub fn baseline(&self) -> Option<(&str, &str)> {
+        if self.prefilled {
+            let store = self.label.strip_prefix("prefilled/")?;
+            return Some((store, "empty"));
         }
+        if self.others.is_empty() {
+            return None;
+        }
+        let (_, store) = self.label.split_once('/')?;
+        Some((store, store))
     }
 
     /// The CPU time of its servers so far, in seconds.
