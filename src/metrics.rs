@@ -32,11 +32,18 @@ struct Route {
 
 type Histo = Family<Route, Histogram, fn() -> Histogram>;
 
+/// Acquirers waiting: on this host, and on the fleet's others.
+pub struct Waiting {
+    pub here: usize,
+    pub elsewhere: usize,
+}
+
 pub struct Metrics {
     registry: Registry,
     current_leases: Gauge,
     current_processes: Gauge,
     lease_waiters: Gauge,
+    remote_waiters: Gauge,
     acquisitions: Counter,
     takeovers: Family<Reason, Counter>,
     conflicts: Family<Code, Counter>,
@@ -62,6 +69,7 @@ impl Metrics {
             current_leases: Gauge::default(),
             current_processes: Gauge::default(),
             lease_waiters: Gauge::default(),
+            remote_waiters: Gauge::default(),
             acquisitions: Counter::default(),
             takeovers: Family::default(),
             conflicts: Family::default(),
@@ -80,6 +88,11 @@ impl Metrics {
             "lease_waiters",
             "Acquire requests waiting for a held lease (wait_ms)",
             m.lease_waiters.clone(),
+        );
+        registry.register(
+            "lease_waiters_remote",
+            "Acquire requests waiting on the other hosts of the fleet, as they announced them",
+            m.remote_waiters.clone(),
         );
         registry.register(
             "processes_current",
@@ -193,10 +206,12 @@ impl Metrics {
     }
 
     /// The text exposition, with the current counts as counted just now.
-    pub fn render(&self, current_leases: i64, current_processes: i64, waiters: usize) -> String {
+    pub fn render(&self, current_leases: i64, current_processes: i64, waiters: Waiting) -> String {
         self.current_leases.set(current_leases);
         self.lease_waiters
-            .set(i64::try_from(waiters).unwrap_or(i64::MAX));
+            .set(i64::try_from(waiters.here).unwrap_or(i64::MAX));
+        self.remote_waiters
+            .set(i64::try_from(waiters.elsewhere).unwrap_or(i64::MAX));
         self.current_processes.set(current_processes);
         let mut out = String::new();
         // Writing to a String cannot fail.

@@ -73,7 +73,7 @@ async fn get_metrics(State(state): State<AppState>) -> Result<impl IntoResponse,
         )],
         state
             .metrics
-            .render(leases, processes, state.hub.waiters.total()),
+            .render(leases, processes, state.hub.waiters.waiting()),
     ))
 }
 

@@ -74,7 +74,15 @@ impl Offers {
         waiters: &Waiters,
         resource: &str,
     ) -> Result<Option<Handed>> {
-        let Some(offer) = waiters.head(resource).and_then(|t| self.lock().remove(&t)) else {
+        let Some(head) = waiters.head(resource) else {
+            return Ok(None);
+        };
+        // An older waiter on another host goes first: the lease just ends,
+        // and that host's waiter takes it in a transaction of its own.
+        if !waiters.remote_ahead(resource, Some(head)).is_empty() {
+            return Ok(None);
+        }
+        let Some(offer) = self.lock().remove(&head) else {
             return Ok(None);
         };
         // A refusal (its parent fenced, say) drops the reply: the waiter
@@ -228,5 +236,31 @@ mod tests {
         // As when the releasing transaction is rolled back: never delivered.
         drop(handed.expect("granted"));
         assert!(parked.handed().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_release_grants_nothing_while_an_older_waiter_waits_on_another_host() {
+        let (fx, waiters, offers, id) = setup().await;
+        let t = waiters.enqueue("r", waiters.ends_seen());
+        let mut parked = offers.park(t.id(), cmd("second"));
+        // Unstamped, this host's waiter comes after any announced elsewhere.
+        waiters.news(&crate::waiters::remote::WaitNews {
+            from: "other-host".into(),
+            mine: false,
+            at: 1,
+            waits: vec![("r".into(), 7, 60_000)],
+            left: vec![],
+        });
+        assert!(
+            release_granting(&fx, &waiters, &offers, &id)
+                .await
+                .is_none()
+        );
+        // The offer still stands, for a release after the other's turn.
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(20), parked.handed())
+                .await
+                .is_err()
+        );
     }
 }

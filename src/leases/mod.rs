@@ -21,7 +21,7 @@ use crate::metrics::Metrics;
 use crate::model::{Identity, LeaseFilter, LeaseRecord, LeaseView, Liveness};
 use crate::store::{Store, StoreError};
 use crate::time::now_ms;
-use crate::waiters::{Ticket, Waiters};
+use crate::waiters::{Ticket, Waiters, remote};
 
 /// What an acquirer asks for, validated.
 #[derive(Debug, Clone)]
@@ -160,10 +160,12 @@ impl Leases {
         Ok(out)
     }
 
-    /// Acquire, waiting up to `wait` (first come, first served) while the
-    /// answer is `lease_held`. Waiters are woken by the end of the lease itself,
+    /// Acquire, waiting up to `wait` (first come, first served)
+    /// while the answer is `lease_held`. Waiters are woken by the end of the lease itself,
     /// or at the holder's expiry when only its TTL can end it; a release
     /// hands the lease to the first waiter in its own transaction (`handoff`).
+    /// On a fleet, waiters of other hosts that came first go first
+    /// (`waiters::remote`).
     pub async fn acquire(&self, cmd: Acquire, wait: Duration) -> Result<Acquired, Error> {
         let deadline = Instant::now() + wait;
         let mut ticket = None;
@@ -177,14 +179,46 @@ impl Leases {
                 self.waiters
                     .enqueue(&cmd.resource, self.waiters.ends_seen()),
             );
+            t.announce(deadline);
             if let Some(acquired) = self.park(t, &cmd, deadline).await {
                 return Ok(self.handed(ticket, acquired));
             }
         }
+        // Since when this waiter has let older waiters of other hosts take
+        // the resource first, with nothing happening on it.
+        let mut deferring: Option<Instant> = None;
         loop {
+            let ahead = self.remote_ahead(&cmd, ticket.as_ref(), deadline);
+            if !ahead.is_empty() {
+                let since = *deferring.get_or_insert_with(Instant::now);
+                let until = deadline.min(since + remote::DEFER);
+                if Instant::now() < until {
+                    if permit.is_none() {
+                        permit = Some(self.wait_permit()?);
+                    }
+                    let t = ticket.get_or_insert_with(|| {
+                        self.waiters
+                            .enqueue(&cmd.resource, self.waiters.ends_seen())
+                    });
+                    t.announce(deadline);
+                    if let Some(acquired) = self.park(t, &cmd, until).await {
+                        return Ok(self.handed(ticket, acquired));
+                    }
+                    if Instant::now() < until {
+                        // Woken (a lease ended, one ahead left): the
+                        // others get their time again.
+                        deferring = None;
+                    }
+                    continue;
+                }
+            }
+            deferring = None;
             let seen = self.waiters.ends_seen();
             let holder = match self.try_acquire(cmd.clone()).await? {
                 Ok(acquired) => {
+                    // They let it stay free for `DEFER`: gone, or their
+                    // leaving went unheard.
+                    self.waiters.forget_remote(&cmd.resource, &ahead);
                     if let Some(t) = ticket {
                         crate::waiters::Ticket::acquired(t);
                     }
@@ -197,6 +231,7 @@ impl Leases {
                 permit = Some(self.wait_permit()?);
             }
             let t = ticket.get_or_insert_with(|| self.waiters.enqueue(&cmd.resource, seen));
+            t.announce(deadline);
             let mut until = deadline;
             if t.is_head()
                 && let Some(at) = ttl_only_expiry(&holder)
@@ -208,6 +243,22 @@ impl Leases {
                 return Ok(self.handed(ticket, acquired));
             }
         }
+    }
+
+    /// The other hosts' waiters to let go first: those that came before
+    /// `ticket` (or all, for one that has not queued yet), while the wait
+    /// lasts. A waiter behind another of this host's leaves it to that one.
+    fn remote_ahead(
+        &self,
+        cmd: &Acquire,
+        ticket: Option<&Ticket>,
+        deadline: Instant,
+    ) -> Vec<remote::Place> {
+        if Instant::now() >= deadline || ticket.is_some_and(|t| !t.is_head()) {
+            return Vec::new();
+        }
+        self.waiters
+            .remote_ahead(&cmd.resource, ticket.map(Ticket::id))
     }
 
     fn wait_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, StoreError> {

@@ -17,6 +17,7 @@ pub mod sqlite;
 use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use crate::model::{
     EventRow, IdempotentRequest, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord,
@@ -79,6 +80,8 @@ pub enum Effect {
     /// Changes made elsewhere may have gone unannounced (another host's,
     /// while this one was not listening): every waiter should look again.
     Missed,
+    /// Acquirers joined or left the queues of a host of the fleet.
+    Waiters(crate::waiters::remote::WaitNews),
 }
 
 /// The operations a mutation may use inside its transaction.
@@ -174,6 +177,8 @@ pub type JobFn = Box<dyn for<'t> FnOnce(&'t mut dyn Tx) -> BoxFuture<'t, Result<
 /// Receives the effects of each committed transaction.
 pub trait CommitListener: Send + Sync + 'static {
     fn committed(&self, effects: &[Effect]);
+    /// A fleet's store tells the other hosts of this one's waiters through `a`.
+    fn announce_with(&self, _a: Arc<dyn crate::waiters::remote::Announce>) {}
 }
 
 /// One storage backend.

@@ -8,7 +8,7 @@ use serde_json::json;
 
 use crate::races::{RESOURCES, check_history, hammer};
 use crate::stores::{Store, run, share_database};
-use crate::support::{Proc, Server, alive};
+use crate::support::{Proc, Server, alive, metric};
 
 /// Servers "host-a" and "host-b" on one database, each with its own data
 /// directory; `args` go to both.
@@ -364,6 +364,102 @@ async fn wake_ups_across_hosts_survive_dropped_database_connections() {
         assert!(released, "release went through after the connections came back");
         assert_eq!(waiter.await.expect("waiter"), StatusCode::CREATED);
         assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    })
+    .await
+}
+
+/// An acquire on `s` that waits up to 20 s, answered in the background.
+fn waiting_acquire(
+    s: &Server,
+    resource: &str,
+    holder: &str,
+) -> tokio::task::JoinHandle<(StatusCode, serde_json::Value)> {
+    let (client, url) = (s.client.clone(), s.url("/v1/leases"));
+    let body = json!({"resource": resource, "holder": holder, "ttl_ms": 60_000, "wait_ms": 20_000});
+    tokio::spawn(async move {
+        let r = client.post(url).json(&body).send().await.expect("acquire");
+        let status = r.status();
+        (status, r.json().await.expect("json"))
+    })
+}
+
+/// Until `s` counts `here` waiters of its own and `elsewhere` announced by
+/// the other host.
+async fn waiters_seen(s: &Server, here: u64, elsewhere: u64) {
+    s.eventually("/metrics", Duration::from_secs(10), |m| {
+        metric(m, "holdfast_lease_waiters") == Some(here)
+            && metric(m, "holdfast_lease_waiters_remote") == Some(elsewhere)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_waiter_on_another_host_that_came_first_is_served_first() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "3600000"]).await;
+        let held = a.acquire_ok("fleet/fifo", "a-holder").await;
+        let first = waiting_acquire(&b, "fleet/fifo", "b-first");
+        waiters_seen(&a, 0, 1).await;
+        let second = waiting_acquire(&a, "fleet/fifo", "a-second");
+        waiters_seen(&a, 1, 1).await;
+        waiters_seen(&b, 1, 1).await;
+
+        // Released where the second waits: the lease still goes to the first.
+        let r = a
+            .lease_op(&id(&held), "release", json!({"token": held["token"]}))
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+        let (status, got) = first.await.expect("first");
+        assert_eq!(status, StatusCode::CREATED, "{got}");
+        assert_eq!(got["holder"], "b-first");
+        assert_eq!(got["token"], held["token"].as_i64().expect("token") + 1);
+        waiters_seen(&a, 1, 0).await;
+        assert!(
+            !second.is_finished(),
+            "the second waits for the first's lease"
+        );
+
+        let r = b
+            .lease_op(&id(&got), "release", json!({"token": got["token"]}))
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+        let (status, then) = second.await.expect("second");
+        assert_eq!(status, StatusCode::CREATED, "{then}");
+        assert_eq!(then["holder"], "a-second");
+        assert_eq!(then["token"], got["token"].as_i64().expect("token") + 1);
+        waiters_seen(&b, 0, 0).await;
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_waiter_of_a_host_that_died_holds_the_others_up_for_a_moment_only() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "3600000"]).await;
+        let held = a.acquire_ok("fleet/dead-waiter", "a-holder").await;
+        let gone = waiting_acquire(&b, "fleet/dead-waiter", "b-gone");
+        waiters_seen(&a, 0, 1).await;
+        // Killed while it waits: it never says that its waiter left.
+        b.kill9().await;
+        let _ = gone.await;
+        let next = waiting_acquire(&a, "fleet/dead-waiter", "a-next");
+        waiters_seen(&a, 1, 1).await;
+
+        let released = Instant::now();
+        let r = a
+            .lease_op(&id(&held), "release", json!({"token": held["token"]}))
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+        let (status, got) = next.await.expect("next");
+        let waited = released.elapsed();
+        assert_eq!(status, StatusCode::CREATED, "{got}");
+        assert_eq!(got["holder"], "a-next");
+        assert!(
+            waited >= Duration::from_millis(900),
+            "the older waiter was given its turn first: {waited:?}"
+        );
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        waiters_seen(&a, 0, 0).await;
     })
     .await
 }

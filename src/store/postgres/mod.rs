@@ -3,6 +3,7 @@
 //! per host (see `writer`); reads use the pool directly and never wait
 //! behind writes; commits on other hosts arrive through `notify`.
 
+mod announce;
 mod literal;
 mod notify;
 mod pipeline;
@@ -214,6 +215,10 @@ impl SqlStore<Postgres> {
             .map_err(unreachable)?;
         let notifier = notify::Notifier::new();
         notifier.spawn_listener(url.to_owned(), pool.clone(), listener.clone());
+        listener.announce_with(Arc::new(announce::Announcer::start(
+            pool.clone(),
+            notifier.instance().to_owned(),
+        )));
         let renewed = Arc::new(writer::Renewed::default());
         let writer = writer::start(
             pool.clone(),

@@ -11,13 +11,24 @@ use sqlx::postgres::PgListener;
 
 use super::map_err;
 use crate::store::{CommitListener, Effect, Result};
+use crate::waiters::remote::WaitNews;
 
 pub(super) const CHANNEL: &str = "holdfast";
 /// NOTIFY payloads must stay under 8000 bytes.
-const MAX_PAYLOAD: usize = 7000;
+pub(super) const MAX_PAYLOAD: usize = 7000;
 
+/// A waiter that joined a queue: resource, ticket, milliseconds it may wait.
 #[derive(Serialize, Deserialize)]
-struct Message {
+pub(super) struct Wait(pub String, pub u64, pub u64);
+
+/// A waiter that left a queue: resource, ticket.
+#[derive(Serialize, Deserialize)]
+pub(super) struct Left(pub String, pub u64);
+
+/// A commit's message, or an announcement of waiters (`announce`), which
+/// a holdfast that knows none reads as a commit without effects.
+#[derive(Serialize, Deserialize)]
+pub(super) struct Message {
     /// The sending server instance, which ignores its own messages.
     from: String,
     /// The newest event seq of the commit.
@@ -26,6 +37,55 @@ struct Message {
     /// Resources whose lease ended.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     ended: Vec<String>,
+    /// An announcement's stamp: the database's clock, in microseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    at: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waits: Vec<Wait>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub left: Vec<Left>,
+}
+
+impl Message {
+    /// An announcement of waiters from `instance`, empty.
+    pub fn announcing(instance: &str) -> Self {
+        Self {
+            from: instance.to_owned(),
+            seq: None,
+            ended: Vec::new(),
+            at: None,
+            waits: Vec::new(),
+            left: Vec::new(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waits.is_empty() && self.left.is_empty()
+    }
+
+    /// What an announcement tells, as `WaitNews`; None for a commit's.
+    fn news(&mut self, me: &str) -> Option<WaitNews> {
+        let at = self.at?;
+        let mine = self.from == me;
+        Some(WaitNews {
+            from: self.from.clone(),
+            mine,
+            at,
+            waits: std::mem::take(&mut self.waits)
+                .into_iter()
+                .map(|Wait(r, t, ms)| (r, t, ms))
+                .collect(),
+            // This host's own leaving it knows already.
+            left: if mine {
+                Vec::new()
+            } else {
+                std::mem::take(&mut self.left)
+                    .into_iter()
+                    .map(|Left(r, t)| (r, t))
+                    .collect()
+            },
+        })
+    }
 }
 
 /// A message without its seq, which the commit puts in front (shifted
@@ -104,9 +164,8 @@ impl Notifier {
             .filter_map(|ended| {
                 let from = self.instance.clone();
                 let rest = serde_json::to_string(&Message {
-                    from,
-                    seq: None,
                     ended,
+                    ..Message::announcing(&from)
                 })
                 .ok()?;
                 Some(Notice { rest, seq })
@@ -167,10 +226,16 @@ async fn listen(url: &str, pool: &PgPool, me: &str, listener: &dyn CommitListene
         };
         match received {
             Some(n) => {
-                let Ok(msg) = serde_json::from_str::<Message>(n.payload()) else {
+                let Ok(mut msg) = serde_json::from_str::<Message>(n.payload()) else {
                     tracing::warn!(payload = n.payload(), "ignoring an unreadable notification");
                     continue;
                 };
+                if let Some(news) = msg.news(me) {
+                    if !(news.mine && news.waits.is_empty()) {
+                        listener.committed(&[Effect::Waiters(news)]);
+                    }
+                    continue;
+                }
                 if msg.from == me {
                     continue;
                 }
@@ -209,5 +274,28 @@ mod tests {
         }
         assert_eq!(ended, 2000);
         assert!(n.payloads(&[]).is_empty());
+    }
+
+    #[test]
+    fn announcements_are_news_and_commits_are_not() {
+        let text = r#"{"at":77,"from":"b","waits":[["r",1,500]],"left":[["s",2]]}"#;
+        let mut m: Message = serde_json::from_str(text).expect("decodes");
+        let news = m.news("a").expect("an announcement");
+        assert_eq!(
+            news,
+            WaitNews {
+                from: "b".into(),
+                mine: false,
+                at: 77,
+                waits: vec![("r".into(), 1, 500)],
+                left: vec![("s".into(), 2)],
+            }
+        );
+        let mut m: Message = serde_json::from_str(text).expect("decodes");
+        let own = m.news("b").expect("an announcement");
+        assert!(own.mine && own.left.is_empty() && own.waits.len() == 1);
+        let mut commit: Message =
+            serde_json::from_str(r#"{"seq":4,"from":"b","ended":["r"]}"#).expect("decodes");
+        assert!(commit.news("a").is_none());
     }
 }
