@@ -20,6 +20,8 @@ struct Entry {
     id: u64,
     notify: Arc<Notify>,
     at: Option<i64>,
+    /// Until when it waits, once it is to be announced.
+    until: Option<Instant>,
     /// Told to the other hosts, who are then to be told when it leaves.
     announced: bool,
 }
@@ -40,7 +42,14 @@ pub struct Waiters {
     remote: Mutex<Remote>,
     /// Tells the other hosts of this one's waiters (a fleet's store only).
     announce: OnceLock<Arc<dyn Announce>>,
+    /// When another host was last heard from: a host alone on its database
+    /// announces nothing (each announcement costs a statement, and wakes
+    /// the listening connection of every host).
+    peer_heard: Mutex<Option<Instant>>,
 }
+
+/// How long a host that heard from no other keeps announcing its waiters.
+const PEER_QUIET: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl Waiters {
     pub fn ends_seen(&self) -> u64 {
@@ -55,9 +64,43 @@ impl Waiters {
         self.remote.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// From now on, announce this host's waiters through `a`.
+    /// From now on, announce this host's waiters through `a`, while
+    /// other hosts are heard from.
     pub fn announce_with(&self, a: Arc<dyn Announce>) {
         let _ = self.announce.set(a);
+    }
+
+    fn peers(&self) -> bool {
+        let heard = self
+            .peer_heard
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        heard.is_some_and(|at| at.elapsed() < PEER_QUIET)
+    }
+
+    /// Another host of the fleet sent something. The first time in a
+    /// while, the waiters that wait already are announced now.
+    pub fn peer_heard(&self) {
+        let was = self.peers();
+        *self
+            .peer_heard
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+        let Some(a) = self.announce.get().filter(|_| !was) else {
+            return;
+        };
+        for (resource, q) in self.lock().iter_mut() {
+            for e in q.iter_mut().filter(|e| !e.announced) {
+                if let Some(until) = e.until {
+                    e.announced = true;
+                    a.waiting(
+                        resource,
+                        e.id,
+                        until.saturating_duration_since(Instant::now()),
+                    );
+                }
+            }
+        }
     }
 
     /// Join the queue of `resource`. `seen` is `ends_seen()` from before the
@@ -72,6 +115,7 @@ impl Waiters {
                 id,
                 notify: notify.clone(),
                 at: None,
+                until: None,
                 announced: false,
             });
         if self.ends_seen() != seen {
@@ -232,7 +276,8 @@ impl Ticket {
             .is_some_and(|h| h.id == self.id)
     }
 
-    /// Tell the other hosts of this wait, which lasts until `until` at most.
+    /// Tell the other hosts of this wait, which lasts until `until` at most
+    /// (once another host is heard from, if none is yet).
     pub fn announce(&self, until: Instant) {
         let Some(a) = self.waiters.announce.get() else {
             return;
@@ -244,7 +289,8 @@ impl Ticket {
         else {
             return;
         };
-        if !e.announced {
+        e.until = Some(until);
+        if !e.announced && self.waiters.peers() {
             e.announced = true;
             let left = until.saturating_duration_since(Instant::now());
             a.waiting(&self.resource, self.id, left);
@@ -317,6 +363,10 @@ impl CommitListener for Hub {
         self.waiters.announce_with(a);
     }
 
+    fn peer_heard(&self) {
+        self.waiters.peer_heard();
+    }
+
     fn committed(&self, effects: &[Effect]) {
         for e in effects {
             match e {
@@ -326,9 +376,6 @@ impl CommitListener for Hub {
                 }
                 Effect::Event(seq) => self.event_committed(*seq),
                 Effect::Missed => {
-                    // Announcements may have been missed too: what is
-                    // known of other hosts' waiters may be stale.
-                    self.waiters.remote().clear();
                     self.waiters.wake_heads();
                     self.reconcile_soon.notify_one();
                 }
@@ -425,7 +472,14 @@ mod tests {
         w.announce_with(heard.clone());
         let t = w.enqueue("r", w.ends_seen());
         t.announce(Instant::now() + Duration::from_secs(60));
+        assert!(
+            heard.0.lock().expect("lock").is_empty(),
+            "alone: nothing to tell"
+        );
+        // Another host is heard from: the waiter is announced then, once.
+        w.peer_heard();
         t.announce(Instant::now() + Duration::from_secs(60));
+        w.peer_heard();
         w.news(&news("b", 5, &[("r", 1)], &[]));
         // Before its own stamp comes back, every other host's waiter is ahead.
         assert_eq!(w.remote_ahead("r", Some(t.id())).len(), 1);
@@ -451,14 +505,5 @@ mod tests {
             [format!("wait r {id}"), format!("left r {id}")],
             "announced once; a ticket never announced leaves unannounced ({quiet_id})"
         );
-    }
-
-    #[tokio::test]
-    async fn a_missed_stretch_forgets_the_other_hosts_waiters() {
-        let hub = Hub::new(0);
-        hub.committed(&[Effect::Waiters(news("b", 1, &[("r", 1)], &[]))]);
-        assert_eq!(hub.waiters.waiting().elsewhere, 1);
-        hub.committed(&[Effect::Missed]);
-        assert_eq!(hub.waiters.waiting().elsewhere, 0);
     }
 }

@@ -117,10 +117,6 @@ impl Remote {
     pub fn total(&self) -> usize {
         self.places.len()
     }
-
-    pub fn clear(&mut self) {
-        *self = Self::default();
-    }
 }
 
 #[cfg(test)]

@@ -298,6 +298,9 @@ async fn events_pruned_by_one_host_are_410_on_the_other_not_a_silent_gap() {
             v["code"] == "events_pruned"
         })
         .await;
+        // A pass that began before the last acquire may have pruned only
+        // some: wait for one that began after, so that `oldest` stays put.
+        a.reconciler_passes(2).await;
         let r = b.get("/v1/events?after=0").await;
         assert_eq!(
             (r.status, r.code()),

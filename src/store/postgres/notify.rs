@@ -230,6 +230,9 @@ async fn listen(url: &str, pool: &PgPool, me: &str, listener: &dyn CommitListene
                     tracing::warn!(payload = n.payload(), "ignoring an unreadable notification");
                     continue;
                 };
+                if msg.from != me {
+                    listener.peer_heard();
+                }
                 if let Some(news) = msg.news(me) {
                     if !(news.mine && news.waits.is_empty()) {
                         listener.committed(&[Effect::Waiters(news)]);
