@@ -197,7 +197,11 @@ impl Waiters {
     pub fn waiting(&self) -> crate::metrics::Waiting {
         crate::metrics::Waiting {
             here: self.total(),
-            elsewhere: self.remote().total(),
+            elsewhere: {
+                let mut remote = self.remote();
+                remote.sweep();
+                remote.total()
+            },
         }
     }
 
@@ -216,6 +220,7 @@ impl Waiters {
             return;
         }
         let mut remote = self.remote();
+        remote.sweep();
         for (resource, ticket, left_ms) in &n.waits {
             // A little past the wait itself: its last try may still be on the way.
             let until = Instant::now() + std::time::Duration::from_millis(*left_ms) + remote::DEFER;

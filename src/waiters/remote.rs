@@ -117,6 +117,24 @@ impl Remote {
     pub fn total(&self) -> usize {
         self.places.len()
     }
+
+    /// Forget every wait that ran out, on any resource: those of a host
+    /// that died are otherwise only forgotten when their resource is asked for.
+    pub fn sweep(&mut self) {
+        let now = Instant::now();
+        let gone: Vec<(String, Place)> = self
+            .queues
+            .iter()
+            .flat_map(|(r, q)| {
+                q.iter()
+                    .filter(|(_, until)| **until <= now)
+                    .map(|(p, _)| (r.clone(), p.clone()))
+            })
+            .collect();
+        for (resource, place) in gone {
+            self.forget(&resource, &[place]);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -161,5 +179,10 @@ mod tests {
         r.joined("b", 2, "x", 2, in_a_minute());
         assert_eq!(r.ahead("x", None), vec![(2, "b".into(), 2)]);
         assert_eq!(r.total(), 1);
+        r.joined("b", 3, "y", 3, Instant::now());
+        r.joined("b", 4, "z", 4, in_a_minute());
+        r.sweep();
+        assert_eq!(r.total(), 2);
+        assert!(r.ahead("y", None).is_empty());
     }
 }
