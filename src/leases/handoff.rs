@@ -79,7 +79,7 @@ impl Offers {
         };
         // An older waiter on another host goes first: the lease just ends,
         // and that host's waiter takes it in a transaction of its own.
-        if !waiters.remote_ahead(resource, Some(head)).is_empty() {
+        if !waiters.remote_ahead(resource, true).is_empty() {
             return Ok(None);
         }
         let Some(offer) = self.lock().remove(&head) else {

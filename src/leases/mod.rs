@@ -216,9 +216,6 @@ impl Leases {
             let seen = self.waiters.ends_seen();
             let holder = match self.try_acquire(cmd.clone()).await? {
                 Ok(acquired) => {
-                    // They let it stay free for `DEFER`: gone, or their
-                    // leaving went unheard.
-                    self.waiters.forget_remote(&cmd.resource, &ahead);
                     if let Some(t) = ticket {
                         crate::waiters::Ticket::acquired(t);
                     }
@@ -257,8 +254,7 @@ impl Leases {
         if Instant::now() >= deadline || ticket.is_some_and(|t| !t.is_head()) {
             return Vec::new();
         }
-        self.waiters
-            .remote_ahead(&cmd.resource, ticket.map(Ticket::id))
+        self.waiters.remote_ahead(&cmd.resource, ticket.is_some())
     }
 
     fn wait_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, StoreError> {

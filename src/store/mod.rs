@@ -179,8 +179,8 @@ pub trait CommitListener: Send + Sync + 'static {
     fn committed(&self, effects: &[Effect]);
     /// A fleet's store tells the other hosts of this one's waiters through `a`.
     fn announce_with(&self, _a: Arc<dyn crate::waiters::remote::Announce>) {}
-    /// Another host of the fleet sent a notification.
-    fn peer_heard(&self) {}
+    /// Another host of the fleet (server instance `from`) sent a notification.
+    fn peer_heard(&self, _from: &str) {}
 }
 
 /// One storage backend.

@@ -22,8 +22,9 @@ struct Entry {
     at: Option<i64>,
     /// Until when it waits, once it is to be announced.
     until: Option<Instant>,
-    /// Told to the other hosts, who are then to be told when it leaves.
-    announced: bool,
+    /// When it was last told to the other hosts, who are then to be told
+    /// when it leaves.
+    announced: Option<Instant>,
 }
 
 /// Acquirers waiting for a resource, in arrival order. Only the head is
@@ -48,6 +49,9 @@ pub struct Waiters {
     peer_heard: Mutex<Option<Instant>>,
 }
 
+/// The longest wait a request may ask for (`wait_ms`).
+const MAX_WAIT_MS: u64 = 60_000;
+
 /// How long a host that heard from no other keeps announcing its waiters.
 const PEER_QUIET: std::time::Duration = std::time::Duration::from_secs(600);
 
@@ -65,9 +69,56 @@ impl Waiters {
     }
 
     /// From now on, announce this host's waiters through `a`, while
-    /// other hosts are heard from.
-    pub fn announce_with(&self, a: Arc<dyn Announce>) {
-        let _ = self.announce.set(a);
+    /// other hosts are heard from, and say every `remote::ALIVE_EVERY`
+    /// that they still wait.
+    pub fn announce_with(self: &Arc<Self>, a: Arc<dyn Announce>) {
+        if self.announce.set(a).is_err() {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let me = Arc::downgrade(self);
+        rt.spawn(async move {
+            let mut every = tokio::time::interval(remote::ALIVE_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(w) = me.upgrade() else {
+                    return;
+                };
+                w.tick(Instant::now());
+            }
+        });
+    }
+
+    /// While waiters of this host are announced: say it is alive, and
+    /// announce again those whose stamp has not come back within
+    /// `remote::DEFER` (the announcement was lost, or the listener missed
+    /// it while reconnecting), since without one a waiter yields to every
+    /// waiter elsewhere.
+    fn tick(&self, now: Instant) {
+        let Some(a) = self.announce.get().filter(|_| self.peers()) else {
+            return;
+        };
+        let mut any = false;
+        for (resource, q) in self.lock().iter_mut() {
+            for e in q.iter_mut() {
+                let Some(told) = e.announced else {
+                    continue;
+                };
+                any = true;
+                if let (None, Some(until)) = (e.at, e.until)
+                    && now.saturating_duration_since(told) >= remote::DEFER
+                {
+                    e.announced = Some(now);
+                    a.waiting(resource, e.id, until.saturating_duration_since(now));
+                }
+            }
+        }
+        if any {
+            a.alive();
+        }
     }
 
     fn peers(&self) -> bool {
@@ -78,26 +129,24 @@ impl Waiters {
         heard.is_some_and(|at| at.elapsed() < PEER_QUIET)
     }
 
-    /// Another host of the fleet sent something. The first time in a
-    /// while, the waiters that wait already are announced now.
-    pub fn peer_heard(&self) {
+    /// Another host of the fleet (`from`) sent something. The first time
+    /// in a while, the waiters that wait already are announced now.
+    pub fn peer_heard(&self, from: &str) {
         let was = self.peers();
+        let now = Instant::now();
         *self
             .peer_heard
             .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+            .unwrap_or_else(PoisonError::into_inner) = Some(now);
+        self.remote().heard(from, now);
         let Some(a) = self.announce.get().filter(|_| !was) else {
             return;
         };
         for (resource, q) in self.lock().iter_mut() {
-            for e in q.iter_mut().filter(|e| !e.announced) {
+            for e in q.iter_mut().filter(|e| e.announced.is_none()) {
                 if let Some(until) = e.until {
-                    e.announced = true;
-                    a.waiting(
-                        resource,
-                        e.id,
-                        until.saturating_duration_since(Instant::now()),
-                    );
+                    e.announced = Some(now);
+                    a.waiting(resource, e.id, until.saturating_duration_since(now));
                 }
             }
         }
@@ -116,7 +165,7 @@ impl Waiters {
                 notify: notify.clone(),
                 at: None,
                 until: None,
-                announced: false,
+                announced: None,
             });
         if self.ends_seen() != seen {
             notify.notify_one();
@@ -156,7 +205,7 @@ impl Waiters {
             return;
         };
         let was_head = q.front().is_some_and(|h| h.id == id);
-        let announced = q.iter().any(|e| e.id == id && e.announced);
+        let announced = q.iter().any(|e| e.id == id && e.announced.is_some());
         q.retain(|e| e.id != id);
         if announced && let Some(a) = self.announce.get() {
             a.left(resource, id);
@@ -171,26 +220,30 @@ impl Waiters {
         }
     }
 
-    /// `id`'s place among the fleet's waiters: None while it has no stamp
-    /// (then every waiter of another host counts as before it).
-    fn place(&self, resource: &str, id: u64) -> Option<Place> {
-        let at = self.lock().get(resource)?.iter().find(|e| e.id == id)?.at?;
+    /// The place among the fleet's waiters of the head of `resource`'s
+    /// queue here: the earliest stamp of this host's waiters for the
+    /// resource, which is where the other hosts see this host come first
+    /// (a waiter announced again is stamped later than the one behind it).
+    /// None while none has a stamp: then every waiter of another host
+    /// counts as before it.
+    fn place(&self, resource: &str) -> Option<Place> {
+        let (at, ticket) = self
+            .lock()
+            .get(resource)?
+            .iter()
+            .filter_map(|e| Some((e.at?, e.id)))
+            .min()?;
         let me = self.announce.get()?.instance().to_owned();
-        Some((at, me, id))
+        Some((at, me, ticket))
     }
 
-    /// The other hosts' waiters for `resource` that came before `id` (before
-    /// anyone here when None) and still wait.
-    pub fn remote_ahead(&self, resource: &str, id: Option<u64>) -> Vec<Place> {
-        let place = id.and_then(|id| self.place(resource, id));
-        self.remote().ahead(resource, place.as_ref())
-    }
-
-    /// Forget `places` of other hosts' waiters: they let `resource` stay
-    /// free for `remote::DEFER` (their host died, or their leaving was not
-    /// heard).
-    pub fn forget_remote(&self, resource: &str, places: &[Place]) {
-        self.remote().forget(resource, places);
+    /// The other hosts' waiters for `resource` that still wait and came
+    /// before the head of this host's queue for it (`queued`), or before
+    /// anyone here (not `queued`: for one that has not joined the queue).
+    pub fn remote_ahead(&self, resource: &str, queued: bool) -> Vec<Place> {
+        let place = if queued { self.place(resource) } else { None };
+        self.remote()
+            .ahead(resource, place.as_ref(), Instant::now())
     }
 
     /// How many wait here, and on the other hosts as they announced.
@@ -199,7 +252,7 @@ impl Waiters {
             here: self.total(),
             elsewhere: {
                 let mut remote = self.remote();
-                remote.sweep();
+                remote.sweep(Instant::now());
                 remote.total()
             },
         }
@@ -214,17 +267,21 @@ impl Waiters {
                     .get_mut(resource)
                     .and_then(|q| q.iter_mut().find(|e| e.id == *ticket))
                 {
-                    e.at.get_or_insert(n.at);
+                    // The newest: announced again, it took that place everywhere.
+                    e.at = Some(n.at);
                 }
             }
             return;
         }
+        let now = Instant::now();
         let mut remote = self.remote();
-        remote.sweep();
+        remote.sweep(now);
         for (resource, ticket, left_ms) in &n.waits {
+            // No wait is longer (`wait_ms`): a bad message holds none up for longer.
+            let left = std::time::Duration::from_millis((*left_ms).min(MAX_WAIT_MS));
             // A little past the wait itself: its last try may still be on the way.
-            let until = Instant::now() + std::time::Duration::from_millis(*left_ms) + remote::DEFER;
-            remote.joined(&n.from, n.at, resource, *ticket, until);
+            let until = now + left + remote::DEFER;
+            remote.joined(&n.from, n.at, resource, *ticket, until, now);
         }
         for (_, ticket) in &n.left {
             remote.left(&n.from, *ticket);
@@ -295,8 +352,8 @@ impl Ticket {
             return;
         };
         e.until = Some(until);
-        if !e.announced && self.waiters.peers() {
-            e.announced = true;
+        if e.announced.is_none() && self.waiters.peers() {
+            e.announced = Some(Instant::now());
             let left = until.saturating_duration_since(Instant::now());
             a.waiting(&self.resource, self.id, left);
         }
@@ -365,11 +422,11 @@ impl Hub {
 
 impl CommitListener for Hub {
     fn announce_with(&self, a: Arc<dyn Announce>) {
-        self.waiters.announce_with(a);
+        Waiters::announce_with(&self.waiters, a);
     }
 
-    fn peer_heard(&self) {
-        self.waiters.peer_heard();
+    fn peer_heard(&self, from: &str) {
+        self.waiters.peer_heard(from);
     }
 
     fn committed(&self, effects: &[Effect]) {
@@ -455,6 +512,15 @@ mod tests {
             let mut h = self.0.lock().expect("lock");
             h.push(format!("left {resource} {ticket}"));
         }
+        fn alive(&self) {
+            self.0.lock().expect("lock").push("alive".into());
+        }
+    }
+
+    impl Heard {
+        fn said(&self) -> Vec<String> {
+            self.0.lock().expect("lock").clone()
+        }
     }
 
     fn news(from: &str, at: i64, waits: &[(&str, u64)], left: &[(&str, u64)]) -> WaitNews {
@@ -477,38 +543,103 @@ mod tests {
         w.announce_with(heard.clone());
         let t = w.enqueue("r", w.ends_seen());
         t.announce(Instant::now() + Duration::from_secs(60));
-        assert!(
-            heard.0.lock().expect("lock").is_empty(),
-            "alone: nothing to tell"
-        );
+        assert!(heard.said().is_empty(), "alone: nothing to tell");
         // Another host is heard from: the waiter is announced then, once.
-        w.peer_heard();
+        w.peer_heard("b");
         t.announce(Instant::now() + Duration::from_secs(60));
-        w.peer_heard();
+        w.peer_heard("b");
         w.news(&news("b", 5, &[("r", 1)], &[]));
         // Before its own stamp comes back, every other host's waiter is ahead.
-        assert_eq!(w.remote_ahead("r", Some(t.id())).len(), 1);
+        assert_eq!(w.remote_ahead("r", true).len(), 1);
         w.news(&news("me", 3, &[("r", t.id())], &[]));
-        assert!(w.remote_ahead("r", Some(t.id())).is_empty());
+        assert!(w.remote_ahead("r", true).is_empty());
         w.news(&news("b", 2, &[("r", 2), ("other", 3)], &[]));
-        assert_eq!(w.remote_ahead("r", Some(t.id())), vec![(2, "b".into(), 2)]);
-        assert_eq!(w.remote_ahead("r", None).len(), 2);
+        assert_eq!(w.remote_ahead("r", true), vec![(2, "b".into(), 2)]);
+        assert_eq!(w.remote_ahead("r", false).len(), 2);
 
         // One ahead leaves: the head is woken to look again.
         w.news(&news("b", 9, &[], &[("r", 2)]));
         timeout(SHORT, t.woken()).await.expect("woken");
-        assert!(w.remote_ahead("r", Some(t.id())).is_empty());
+        assert!(w.remote_ahead("r", true).is_empty());
         assert_eq!(w.waiting().elsewhere, 2);
 
         let quiet = w.enqueue("r", w.ends_seen());
         let (id, quiet_id) = (t.id(), quiet.id());
         drop(t);
         drop(quiet);
-        let h = heard.0.lock().expect("lock").clone();
+        // The keepalives the background tick may have sent meanwhile aside.
+        let mut said = heard.said();
+        said.retain(|s| s != "alive");
         assert_eq!(
-            h,
+            said,
             [format!("wait r {id}"), format!("left r {id}")],
             "announced once; a ticket never announced leaves unannounced ({quiet_id})"
         );
+    }
+
+    #[tokio::test]
+    async fn a_host_comes_first_with_its_earliest_stamped_waiter() {
+        let w = Arc::new(Waiters::default());
+        w.announce_with(Arc::new(Heard::default()));
+        w.peer_heard("b");
+        let first = w.enqueue("r", w.ends_seen());
+        let second = w.enqueue("r", w.ends_seen());
+        // The head was announced again (stamped 7), the one behind it
+        // first (stamped 3): the other hosts see this host at 3.
+        w.news(&news("me", 3, &[("r", second.id())], &[]));
+        w.news(&news("me", 7, &[("r", first.id())], &[]));
+        w.news(&news("b", 5, &[("r", 1)], &[]));
+        assert!(w.remote_ahead("r", true).is_empty());
+        w.news(&news("b", 2, &[("r", 2)], &[]));
+        assert_eq!(w.remote_ahead("r", true), vec![(2, "b".into(), 2)]);
+        // Stamped again later, the newest stamp is the place.
+        w.news(&news("me", 9, &[("r", second.id())], &[]));
+        assert_eq!(w.remote_ahead("r", true).len(), 2);
+    }
+
+    #[tokio::test]
+    async fn an_unstamped_waiter_is_announced_again_and_the_host_says_it_is_alive() {
+        let w = Arc::new(Waiters::default());
+        let heard = Arc::new(Heard::default());
+        w.announce_with(heard.clone());
+        let now = Instant::now();
+        w.tick(now);
+        assert!(heard.said().is_empty(), "no peer: nothing to say");
+        w.peer_heard("b");
+        w.tick(now);
+        assert!(heard.said().is_empty(), "nobody announced: nothing to say");
+
+        let stamped = w.enqueue("r", w.ends_seen());
+        let lost = w.enqueue("r", w.ends_seen());
+        let until = Instant::now() + Duration::from_secs(60);
+        stamped.announce(until);
+        lost.announce(until);
+        w.news(&news("me", 4, &[("r", stamped.id())], &[]));
+        let (s, l) = (stamped.id(), lost.id());
+        let told = vec![format!("wait r {s}"), format!("wait r {l}")];
+        assert_eq!(heard.said(), told);
+
+        w.tick(Instant::now());
+        let mut expect = told.clone();
+        expect.push("alive".into());
+        assert_eq!(heard.said(), expect, "too soon to announce again");
+
+        w.tick(Instant::now() + remote::DEFER);
+        expect.extend([format!("wait r {l}"), "alive".into()]);
+        assert_eq!(heard.said(), expect, "only the unstamped one again");
+    }
+
+    #[tokio::test]
+    async fn another_hosts_wait_counts_for_no_longer_than_the_longest_wait() {
+        let w = Arc::new(Waiters::default());
+        let mut n = news("b", 1, &[("r", 1)], &[]);
+        n.waits[0].2 = u64::MAX;
+        w.news(&n);
+        assert_eq!(w.remote_ahead("r", false).len(), 1);
+        // Its host still speaks, yet past the longest wait it holds none up.
+        let later = Instant::now() + Duration::from_millis(MAX_WAIT_MS) + remote::DEFER;
+        let mut remote = w.remote();
+        remote.heard("b", later);
+        assert!(remote.ahead("r", None, later).is_empty(), "capped");
     }
 }

@@ -4,8 +4,10 @@
 //! ticket]]}`, with `at` the database's clock (so that every host orders
 //! waiters alike). Announcements that gather while one is sent go in the
 //! next; a waiter that joins and leaves within one batch is not announced at
-//! all. Sending one commits nothing durable: a transaction that only notifies
-//! writes no WAL of its own, and PostgreSQL commits it without a flush.
+//! all. A batch that only says this host is alive is `{"at":…,"from":…}`.
+//! Sending one writes nothing durable: a transaction whose only change is a
+//! notification has no transaction id, so its commit waits for no WAL
+//! flush.
 
 use std::time::Duration;
 
@@ -18,6 +20,7 @@ use crate::waiters::remote::Announce;
 enum Note {
     Wait(String, u64, u64),
     Left(String, u64),
+    Alive,
 }
 
 pub struct Announcer {
@@ -46,6 +49,10 @@ impl Announce for Announcer {
 
     fn left(&self, resource: &str, ticket: u64) {
         let _ = self.tx.send(Note::Left(resource.to_owned(), ticket));
+    }
+
+    fn alive(&self) {
+        let _ = self.tx.send(Note::Alive);
     }
 }
 
@@ -83,14 +90,16 @@ async fn send(pool: &PgPool, payloads: &[String]) -> Result<(), sqlx::Error> {
     .map(|_| ())
 }
 
-/// The messages of one batch, each under the payload limit, without `at`.
+/// The messages of one batch, each under the payload limit, without `at`;
+/// an empty one when the batch tells nothing but that this host is alive.
 fn payloads(instance: &str, notes: Vec<Note>) -> Vec<String> {
+    let alive = notes.iter().any(|n| matches!(n, Note::Alive));
     // A waiter that joined and left in this batch: nobody need hear of it.
     let joined: std::collections::HashSet<u64> = notes
         .iter()
         .filter_map(|n| match n {
             Note::Wait(_, t, _) => Some(*t),
-            Note::Left(..) => None,
+            Note::Left(..) | Note::Alive => None,
         })
         .collect();
     let gone: std::collections::HashSet<u64> = notes
@@ -106,6 +115,7 @@ fn payloads(instance: &str, notes: Vec<Note>) -> Vec<String> {
     for n in notes {
         let (ticket, len) = match &n {
             Note::Wait(r, t, _) | Note::Left(r, t) => (*t, r.len() * 6 + 48),
+            Note::Alive => continue,
         };
         if gone.contains(&ticket) {
             continue;
@@ -119,9 +129,11 @@ fn payloads(instance: &str, notes: Vec<Note>) -> Vec<String> {
         match n {
             Note::Wait(r, t, ms) => msg.waits.push(Wait(r, t, ms)),
             Note::Left(r, t) => msg.left.push(Left(r, t)),
+            Note::Alive => {}
         }
     }
-    if !msg.is_empty() {
+    // Any message says so; an empty one only when there is no other.
+    if !msg.is_empty() || (alive && out.is_empty()) {
         out.extend(serde_json::to_string(&msg).ok());
     }
     out
@@ -144,6 +156,25 @@ mod tests {
             p,
             vec![r#"{"from":"me","waits":[["b",2,500]],"left":[["c",0]]}"#.to_owned()]
         );
+    }
+
+    #[test]
+    fn a_batch_that_only_says_alive_is_one_empty_message_and_is_folded_into_others() {
+        let p = payloads("me", vec![Note::Alive, Note::Alive]);
+        assert_eq!(p, vec![r#"{"from":"me"}"#.to_owned()]);
+        let p = payloads("me", vec![Note::Alive, Note::Left("r".into(), 4)]);
+        assert_eq!(p, vec![r#"{"from":"me","left":[["r",4]]}"#.to_owned()]);
+        assert!(payloads("me", Vec::new()).is_empty());
+        // A waiter that joined and left says nothing, but the host is alive.
+        let p = payloads(
+            "me",
+            vec![
+                Note::Wait("a".into(), 1, 9),
+                Note::Left("a".into(), 1),
+                Note::Alive,
+            ],
+        );
+        assert_eq!(p, vec![r#"{"from":"me"}"#.to_owned()]);
     }
 
     #[test]

@@ -231,10 +231,11 @@ async fn listen(url: &str, pool: &PgPool, me: &str, listener: &dyn CommitListene
                     continue;
                 };
                 if msg.from != me {
-                    listener.peer_heard();
+                    listener.peer_heard(&msg.from);
                 }
                 if let Some(news) = msg.news(me) {
-                    if !(news.mine && news.waits.is_empty()) {
+                    // Empty: a host saying it is alive, heard just now.
+                    if !(news.waits.is_empty() && news.left.is_empty()) {
                         listener.committed(&[Effect::Waiters(news)]);
                     }
                     continue;
