@@ -292,6 +292,50 @@ impl Cache {
         self.saw_ports(owner, &[]);
     }
 
+    /// What this transaction leaves on the resources whose current lease
+    /// it read or wrote (the checks made it true at its commit), for the
+    /// other hosts (`postgres::notify::Hint`): each resource with its last
+    /// token, and whether it is free.
+    pub fn hints(&self) -> Vec<(String, i64, bool)> {
+        let Some(g) = &self.guard else {
+            return Vec::new();
+        };
+        let mut hints: Vec<(String, i64, bool)> = g
+            .fresh
+            .iter()
+            .filter_map(|k| match k {
+                Key::Current(r) => Some(r),
+                _ => None,
+            })
+            .filter_map(|r| match self.current.get(r)? {
+                None => Some((r.clone(), *self.tokens.get(r)?, true)),
+                Some(id) => Some((r.clone(), self.leases.get(id)?.0.token, false)),
+            })
+            .collect();
+        hints.sort();
+        hints
+    }
+
+    /// Another host's commit left `resource` with `last` as its last
+    /// token, and `free` or not: taken as an earlier transaction's entry
+    /// (so checked when used), unless what is known is newer (a later
+    /// token). A resource it took is forgotten: its lease is read when
+    /// asked for.
+    pub fn heard(&mut self, resource: &str, last: i64, free: bool) {
+        if self.guard.is_none() || self.tokens.get(resource).is_some_and(|t| *t > last) {
+            return;
+        }
+        if let Some(Some(id)) = self.current.remove(resource) {
+            self.leases.remove(&id);
+        }
+        room(&mut self.tokens);
+        self.tokens.insert(resource.to_owned(), last);
+        if free {
+            room(&mut self.current);
+            self.current.insert(resource.to_owned(), None);
+        }
+    }
+
     /// Whether the entry of `key` is an earlier transaction's, unchecked:
     /// a write must not change it into something no check describes.
     fn unchecked(&self, key: &Key) -> bool {
@@ -436,5 +480,55 @@ mod tests {
         assert_eq!(names, ["api", "web"]);
         c.port_released("x");
         assert_eq!(c.ports_of("l").map(|p| p.len()), Some(1));
+    }
+
+    #[test]
+    fn hints_say_what_a_commit_left_and_are_taken_as_checked_entries() {
+        let mut c = Cache::guarded();
+        let a = lease("a", "r", LeaseState::Active);
+        c.saw_token("r", a.token);
+        c.saw_lease(&a, None);
+        c.saw_no_current("s");
+        c.saw_token("s", 9);
+        c.saw_no_current("unknown-token");
+        assert_eq!(
+            c.hints(),
+            vec![("r".into(), a.token, false), ("s".into(), 9, true)]
+        );
+        c.begin();
+        assert!(c.hints().is_empty(), "nothing touched yet");
+        assert!(Cache::default().hints().is_empty(), "SQLite's: no fleet");
+
+        // Another host released "a" and left "r" free at its token.
+        c.heard("r", a.token, true);
+        assert_eq!(c.lease("a"), None, "the ended lease is forgotten");
+        assert_eq!(c.current_lease("r"), Some(None));
+        assert_eq!(c.next_token("r"), Some(a.token + 1));
+        assert_eq!(
+            c.take_checks(),
+            vec![
+                Check::Free {
+                    resource: "r".into()
+                },
+                Check::Token {
+                    resource: "r".into(),
+                    last: a.token
+                }
+            ],
+            "used only through checks"
+        );
+        // Known newer than the hint: kept.
+        c.heard("r", a.token - 1, true);
+        assert_eq!(c.next_token("r"), Some(a.token + 2));
+        // Taken elsewhere: its lease is to be read.
+        c.heard("s", 10, false);
+        assert_eq!(c.current_lease("s"), None);
+        let mut sqlite = Cache::default();
+        sqlite.heard("r", 1, true);
+        assert_eq!(
+            sqlite.current_lease("r"),
+            None,
+            "only a fleet's cache hears"
+        );
     }
 }

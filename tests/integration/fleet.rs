@@ -396,6 +396,35 @@ async fn waiters_seen(s: &Server, here: u64, elsewhere: u64) {
     .await;
 }
 
+async fn round_trips(s: &Server) -> u64 {
+    let m = s.get("/metrics").await;
+    metric(&m.body, "holdfast_store_round_trips_total").expect("round trips")
+}
+
+#[tokio::test]
+async fn a_release_tells_the_other_host_what_it_left_so_its_waiter_acquires_in_one_round_trip() {
+    run(Store::Postgres, async {
+        let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "3600000"]).await;
+        let held = b.acquire_ok("fleet/hint", "b").await;
+        // Its first try reads the lease held on the other host.
+        let waiter = waiting_acquire(&a, "fleet/hint", "a");
+        waiters_seen(&a, 1, 0).await;
+        let before = round_trips(&a).await;
+        let r = b
+            .lease_op(&id(&held), "release", json!({"token": held["token"]}))
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+        let (status, got) = waiter.await.expect("waiter");
+        assert_eq!(status, StatusCode::CREATED, "{got}");
+        assert_eq!(got["token"], held["token"].as_i64().expect("token") + 1);
+        // Told the resource is free at that token, it takes it with the
+        // checks of both, in one round trip; what it read before, taken as
+        // still true, would fail its check and be read again (three).
+        assert_eq!(round_trips(&a).await - before, 1);
+    })
+    .await
+}
+
 #[tokio::test]
 async fn a_waiter_on_another_host_that_came_first_is_served_first() {
     run(Store::Postgres, async {

@@ -4,6 +4,7 @@
 //! behind writes; commits on other hosts arrive through `notify`.
 
 mod announce;
+mod learned;
 mod literal;
 mod notify;
 mod pipeline;
@@ -214,18 +215,23 @@ impl SqlStore<Postgres> {
             .await
             .map_err(unreachable)?;
         let notifier = notify::Notifier::new();
-        notifier.spawn_listener(url.to_owned(), pool.clone(), listener.clone());
+        let learned = Arc::new(learned::Learned::default());
+        notifier.spawn_listener(
+            url.to_owned(),
+            pool.clone(),
+            listener.clone(),
+            learned.clone(),
+        );
         listener.announce_with(Arc::new(announce::Announcer::start(
             pool.clone(),
             notifier.instance().to_owned(),
         )));
-        let renewed = Arc::new(writer::Renewed::default());
         let writer = writer::start(
             pool.clone(),
             listener,
             notifier,
             settings.timeout.saturating_mul(3),
-            renewed.clone(),
+            learned.clone(),
         );
         tracing::info!(database = %place, "using PostgreSQL");
         let store = SqlStore::new(pool.clone(), writer);
@@ -233,7 +239,7 @@ impl SqlStore<Postgres> {
             pool,
             super::Backend::write_counters(&store),
             settings.timeout,
-            renewed,
+            learned,
         );
         Ok(store.with_renewals(Arc::new(renewals)))
     }

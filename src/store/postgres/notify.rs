@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 
+use super::learned::Learned;
 use super::map_err;
 use crate::store::{CommitListener, Effect, Result};
 use crate::waiters::remote::WaitNews;
@@ -24,6 +25,12 @@ pub(super) struct Wait(pub String, pub u64, pub u64);
 /// A waiter that left a queue: resource, ticket.
 #[derive(Serialize, Deserialize)]
 pub(super) struct Left(pub String, pub u64);
+
+/// What a commit left on a resource whose current lease it read or wrote:
+/// resource, last token, whether it is free. Another host's writer takes
+/// it as a hint (`learned`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hint(pub String, pub i64, pub bool);
 
 /// A commit's message, or an announcement of waiters (`announce`), which
 /// a holdfast that knows none reads as a commit without effects.
@@ -44,6 +51,10 @@ pub(super) struct Message {
     pub waits: Vec<Wait>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub left: Vec<Left>,
+    /// What the commit left on the resources it touched (only in the
+    /// last message of a commit, and only if they fit).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    hints: Vec<Hint>,
 }
 
 impl Message {
@@ -56,6 +67,7 @@ impl Message {
             at: None,
             waits: Vec::new(),
             left: Vec::new(),
+            hints: Vec::new(),
         }
     }
 
@@ -130,10 +142,11 @@ impl Notifier {
     }
 
     /// One message per chunk of ended resources, each under the payload
-    /// limit and each with the commit's newest seq. The seqs of `effects`
-    /// are the batch's own count (`pipeline`): the commit's function puts
-    /// the seq in, shifted to the database's (`Notice::text`).
-    pub(super) fn payloads(&self, effects: &[Effect]) -> Vec<Notice> {
+    /// limit and each with the commit's newest seq, the last with `hints`
+    /// if they fit. The seqs of `effects` are the batch's own count
+    /// (`pipeline`): the commit's function puts the seq in, shifted to the
+    /// database's (`Notice::text`).
+    pub(super) fn payloads(&self, effects: &[Effect], hints: Vec<Hint>) -> Vec<Notice> {
         let seq = effects
             .iter()
             .filter_map(|e| match e {
@@ -158,31 +171,46 @@ impl Notifier {
                 chunk.push(resource.clone());
             }
         }
-        chunks
+        let chunks: Vec<Vec<String>> = chunks
             .into_iter()
             .filter(|ended| seq.is_some() || !ended.is_empty())
-            .filter_map(|ended| {
+            .collect();
+        let last = chunks.len().saturating_sub(1);
+        let mut hints = Some(hints);
+        chunks
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, ended)| {
                 let from = self.instance.clone();
-                let rest = serde_json::to_string(&Message {
+                let mut msg = Message {
                     ended,
                     ..Message::announcing(&from)
-                })
-                .ok()?;
+                };
+                let plain = serde_json::to_string(&msg).ok()?;
+                if i == last {
+                    msg.hints = hints.take().unwrap_or_default();
+                }
+                let rest = match serde_json::to_string(&msg) {
+                    Ok(with) if !msg.hints.is_empty() && with.len() <= MAX_PAYLOAD => with,
+                    _ => plain,
+                };
                 Some(Notice { rest, seq })
             })
             .collect()
     }
 
-    /// Listen for other hosts' commits until the pool closes, on a
-    /// connection of its own (`url`), so that it never takes one of the
-    /// pool's. After every (re)connection, notifications may have been
-    /// missed: the listener is told the newest seq and to wake every
-    /// waiter, who then re-check.
-    pub fn spawn_listener(&self, url: String, pool: PgPool, listener: Arc<dyn CommitListener>) {
+    /// What other hosts' commits left (their hints) goes to `learned`.
+    pub fn spawn_listener(
+        &self,
+        url: String,
+        pool: PgPool,
+        listener: Arc<dyn CommitListener>,
+        learned: Arc<Learned>,
+    ) {
         let me = self.instance.clone();
         tokio::spawn(async move {
             while !pool.is_closed() {
-                if let Err(e) = listen(&url, &pool, &me, listener.as_ref()).await {
+                if let Err(e) = listen(&url, &pool, &me, listener.as_ref(), &learned).await {
                     if pool.is_closed() {
                         return;
                     }
@@ -208,7 +236,13 @@ async fn resync(pool: &PgPool, listener: &dyn CommitListener) -> Result<()> {
 /// (after a partition) never fails on its own.
 const PING_EVERY: Duration = Duration::from_secs(10);
 
-async fn listen(url: &str, pool: &PgPool, me: &str, listener: &dyn CommitListener) -> Result<()> {
+async fn listen(
+    url: &str,
+    pool: &PgPool,
+    me: &str,
+    listener: &dyn CommitListener,
+    learned: &Learned,
+) -> Result<()> {
     let mut l = PgListener::connect(url).await.map_err(map_err)?;
     l.listen(CHANNEL).await.map_err(map_err)?;
     resync(pool, listener).await?;
@@ -243,6 +277,8 @@ async fn listen(url: &str, pool: &PgPool, me: &str, listener: &dyn CommitListene
                 if msg.from == me {
                     continue;
                 }
+                // Learned before the waiters are woken, who then try on it.
+                learned.heard(std::mem::take(&mut msg.hints));
                 let mut effects: Vec<Effect> =
                     msg.ended.into_iter().map(Effect::LeaseEnded).collect();
                 effects.extend(msg.seq.map(Effect::Event));
@@ -266,7 +302,7 @@ mod tests {
             .collect();
         effects.push(Effect::Event(41));
         effects.push(Effect::Event(42));
-        let payloads = n.payloads(&effects);
+        let payloads = n.payloads(&effects, Vec::new());
         assert!(payloads.len() > 1);
         let mut ended = 0;
         for p in &payloads {
@@ -277,7 +313,18 @@ mod tests {
             ended += m.ended.len();
         }
         assert_eq!(ended, 2000);
-        assert!(n.payloads(&[]).is_empty());
+        assert!(n.payloads(&[], Vec::new()).is_empty());
+        // Hints go in the last message only, and only if they fit.
+        let hints = vec![Hint("r".into(), 3, true)];
+        let p = n.payloads(&effects, hints.clone());
+        let m: Message = serde_json::from_str(&p[p.len() - 1].text(0)).expect("decodes");
+        assert_eq!(m.hints, hints);
+        let m: Message = serde_json::from_str(&p[0].text(0)).expect("decodes");
+        assert!(m.hints.is_empty());
+        let many: Vec<Hint> = (0..2000).map(|i| Hint(format!("r{i}"), i, true)).collect();
+        let p = n.payloads(&[Effect::Event(1)], many);
+        assert_eq!(p.len(), 1);
+        assert!(p[0].rest.len() <= MAX_PAYLOAD && !p[0].rest.contains("hints"));
     }
 
     #[test]

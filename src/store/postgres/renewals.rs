@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::oneshot;
 
+use super::learned::Learned;
 use super::map_err;
-use super::writer::Renewed;
 use crate::model::LeaseRecord;
 use crate::store::counters::WriteCounters;
 use crate::store::db::Cols;
@@ -156,7 +156,7 @@ pub struct Renewals {
     /// for the whole of a send, so that `close` waits for the statement out.
     line: tokio::sync::Mutex<Option<Line>>,
     /// Where the writer's cache learns what was renewed.
-    renewed: Arc<Renewed>,
+    learned: Arc<Learned>,
     /// How long connecting, or checking an idle line, may take
     /// (`--database-timeout-ms`); a statement may take three times that,
     /// as a write batch may: past it, the line is dropped and the group
@@ -169,12 +169,12 @@ impl Renewals {
         pool: PgPool,
         counters: WriteCounters,
         timeout: Duration,
-        renewed: Arc<Renewed>,
+        learned: Arc<Learned>,
     ) -> Arc<Self> {
         Arc::new(Self {
             pool,
             counters,
-            renewed,
+            learned,
             state: Mutex::default(),
             line: tokio::sync::Mutex::default(),
             timeout,
@@ -283,7 +283,7 @@ impl Renewals {
         if !renewed.is_empty() {
             self.counters.ran(true, renewed.len());
         }
-        self.renewed.push(renewed.iter().cloned());
+        self.learned.renewed(renewed.iter().cloned());
         Ok(renewed.into_iter().map(|(l, _)| l).collect())
     }
 

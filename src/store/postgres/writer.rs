@@ -30,8 +30,8 @@ use std::time::{Duration, Instant};
 use futures_util::FutureExt;
 use sqlx::{Connection, PgConnection, PgPool};
 
+use super::learned::Learned;
 use super::pipeline::{Pipeline, exec};
-use crate::model::LeaseRecord;
 use crate::store::cache::Cache;
 use crate::store::counters::WriteCounters;
 use crate::store::db::conn_err;
@@ -41,34 +41,6 @@ use crate::store::sql_tx::SqlTx;
 use crate::store::{BoxFuture, CommitListener, Effect, JobOutput, Result, StoreError};
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::oneshot;
-
-/// Leases renewed outside the writer's transactions (`renewals`), with
-/// their row versions, for the writer's cache to learn at its next batch.
-#[derive(Default)]
-pub struct Renewed(Mutex<Vec<(LeaseRecord, i64)>>);
-
-/// Past this many renewals not yet learned, the older are forgotten: the
-/// cache's checks catch what it does not learn.
-const RENEWED_CAP: usize = 4096;
-
-impl Renewed {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(LeaseRecord, i64)>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    pub fn push(&self, renewed: impl IntoIterator<Item = (LeaseRecord, i64)>) {
-        let mut known = self.lock();
-        known.extend(renewed);
-        if known.len() > RENEWED_CAP {
-            let extra = known.len() - RENEWED_CAP;
-            known.drain(..extra);
-        }
-    }
-
-    fn take(&self) -> Vec<(LeaseRecord, i64)> {
-        std::mem::take(&mut *self.lock())
-    }
-}
 
 /// The writer's connection, kept from one batch to the next (the pool's
 /// are checked by sqlx with a round trip when handed out and another when
@@ -102,7 +74,7 @@ struct Writer {
     round_trips: Counter,
     line: Mutex<Option<Line>>,
     cache: Mutex<Cache>,
-    renewed: Arc<Renewed>,
+    learned: Arc<Learned>,
     /// This server's marker key (`marker`).
     marker_key: String,
     /// Batches that began with their commit, for their markers.
@@ -110,26 +82,51 @@ struct Writer {
     /// The settling of a lost commit's answer (`settle`), for `run` to
     /// await before the next batch.
     settling: Mutex<Option<BoxFuture<'static, ()>>>,
-    /// Until when batches start from an empty cache, after a check failed.
-    cold_until: Mutex<Option<Instant>>,
+    /// When a check last failed, and until when batches start from an
+    /// empty cache, after two failed within `COLD_FOR`.
+    cold: Mutex<Cold>,
 }
 
-/// How long after a failed check the writer reads what it uses from the
-/// database, as it did before it remembered anything: where other hosts
-/// change the same rows (clients spread over hosts by a load balancer),
-/// its memory is mostly out of date, and a failed check costs the whole
-/// batch a second run. So it is at most one such run a second.
+/// How long after a second failed check within this time the writer
+/// reads what it uses from the database, as it did before it remembered
+/// anything: where other hosts change the same rows (clients spread over
+/// hosts by a load balancer) and their commits' hints (`learned`) do not
+/// keep its memory up to date (hosts of an older holdfast send none), a
+/// failed check costs the whole batch a second run. So it is at most two
+/// such runs a second. One failure alone is a hint that came late.
 const COLD_FOR: Duration = Duration::from_secs(1);
+
+#[derive(Default)]
+struct Cold {
+    failed: Option<Instant>,
+    until: Option<Instant>,
+}
+
+impl Cold {
+    fn failed(&mut self, now: Instant) {
+        if self
+            .failed
+            .is_some_and(|at| now.saturating_duration_since(at) < COLD_FOR)
+        {
+            self.until = Some(now + COLD_FOR);
+        }
+        self.failed = Some(now);
+    }
+
+    fn is_cold(&self, now: Instant) -> bool {
+        self.until.is_some_and(|until| now < until)
+    }
+}
 
 pub(super) fn start(
     pool: PgPool,
     listener: Arc<dyn CommitListener>,
     notify: super::notify::Notifier,
     batch_limit: Duration,
-    renewed: Arc<Renewed>,
+    learned: Arc<Learned>,
 ) -> Arc<dyn Writes> {
     let counters = WriteCounters::default();
-    let writer = Writer::new(pool, listener, notify, batch_limit, renewed);
+    let writer = Writer::new(pool, listener, notify, batch_limit, learned);
     let writer = Writer {
         round_trips: counters.round_trips.clone(),
         ..writer
@@ -289,7 +286,7 @@ impl Writer {
         listener: Arc<dyn CommitListener>,
         notify: super::notify::Notifier,
         batch_limit: Duration,
-        renewed: Arc<Renewed>,
+        learned: Arc<Learned>,
     ) -> Self {
         let marker_key = format!("writer:{}", notify.instance());
         Self {
@@ -300,11 +297,11 @@ impl Writer {
             round_trips: Counter::default(),
             line: Mutex::new(None),
             cache: Mutex::new(Cache::guarded()),
-            renewed,
+            learned,
             marker_key,
             marked: std::sync::atomic::AtomicU64::new(0),
             settling: Mutex::new(None),
-            cold_until: Mutex::new(None),
+            cold: Mutex::default(),
         }
     }
 
@@ -371,26 +368,20 @@ impl Writer {
             &mut *self.cache.lock().unwrap_or_else(PoisonError::into_inner),
             Cache::guarded(),
         );
-        for (rec, version) in self.renewed.take() {
-            cache.renewed(&rec, version);
-        }
+        self.learned.teach(&mut cache);
         cache.begin();
         cache
     }
 
     /// A check failed: other writers change what the cache holds.
     fn cool(&self) {
-        *self
-            .cold_until
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now() + COLD_FOR);
+        let mut cold = self.cold.lock().unwrap_or_else(PoisonError::into_inner);
+        cold.failed(Instant::now());
     }
 
     fn cold(&self) -> bool {
-        self.cold_until
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_some_and(|until| Instant::now() < until)
+        let cold = self.cold.lock().unwrap_or_else(PoisonError::into_inner);
+        cold.is_cold(Instant::now())
     }
 
     fn keep(&self, line: Line, cache: Cache) {
@@ -561,7 +552,7 @@ impl Writer {
         // The checks, the queued writes, the notifications (delivered to
         // the other hosts only if this commits) and COMMIT, in one round
         // trip.
-        let notices = self.notify.payloads(&effects);
+        let notices = self.notify.payloads(&effects, hints(cache));
         let marker = self.marker();
         let committed = pipe
             .commit(
@@ -634,6 +625,14 @@ impl Writer {
     }
 }
 
+/// What the batch leaves on the resources it touched, for the other hosts.
+fn hints(cache: &Cache) -> Vec<super::notify::Hint> {
+    let hints = cache.hints().into_iter();
+    hints
+        .map(|(r, last, free)| super::notify::Hint(r, last, free))
+        .collect()
+}
+
 /// Answer the jobs of a batch whose commit's answer was lost, by `status`:
 /// Some(whether it committed), or None when the database could not tell.
 fn settled(
@@ -677,6 +676,20 @@ fn answer(listener: &dyn CommitListener, done: Done, effects: &[Effect]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_failed_check_is_forgiven_and_a_second_within_a_second_goes_cold() {
+        let t0 = Instant::now();
+        let mut c = Cold::default();
+        c.failed(t0);
+        assert!(!c.is_cold(t0), "one failure: a hint that came late");
+        c.failed(t0 + COLD_FOR);
+        assert!(!c.is_cold(t0 + COLD_FOR), "a second apart: still forgiven");
+        let again = t0 + COLD_FOR + Duration::from_millis(300);
+        c.failed(again);
+        assert!(c.is_cold(again) && c.is_cold(again + Duration::from_millis(999)));
+        assert!(!c.is_cold(again + COLD_FOR));
+    }
     use crate::model::LeaseState;
     use crate::store::{JobFn, JobOutput, Result};
     use crate::tx::fixture::lease_record;
