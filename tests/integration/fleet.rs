@@ -408,7 +408,8 @@ async fn a_release_tells_the_other_host_what_it_left_so_its_waiter_acquires_in_o
         let held = b.acquire_ok("fleet/hint", "b").await;
         // Its first try reads the lease held on the other host.
         let waiter = waiting_acquire(&a, "fleet/hint", "a");
-        waiters_seen(&a, 1, 0).await;
+        // Its announcement heard there: the other host knows it has a peer.
+        waiters_seen(&b, 0, 1).await;
         let before = round_trips(&a).await;
         let r = b
             .lease_op(&id(&held), "release", json!({"token": held["token"]}))

@@ -7,10 +7,15 @@
 //! another keeps failing its checks, and reads every row afresh.
 
 use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use super::notify::Hint;
 use crate::model::LeaseRecord;
 use crate::store::cache::Cache;
+
+/// How long after it last heard from another host a host still sends
+/// hints with its commits: one alone on its database has nobody to tell.
+const PEER_QUIET: Duration = Duration::from_secs(600);
 
 /// Past this many of either not yet taught, the older are forgotten: the
 /// cache's checks catch what it does not learn.
@@ -23,6 +28,8 @@ pub struct Learned {
     renewed: Mutex<Vec<(LeaseRecord, i64)>>,
     /// What other hosts' commits left on resources.
     heard: Mutex<Vec<Hint>>,
+    /// When another host was last heard from.
+    peer: Mutex<Option<Instant>>,
 }
 
 fn push<T>(queue: &Mutex<Vec<T>>, items: impl IntoIterator<Item = T>) {
@@ -47,6 +54,18 @@ impl Learned {
         push(&self.heard, hints);
     }
 
+    /// Another host sent a notification.
+    pub fn peer_heard(&self) {
+        *self.peer.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+    }
+
+    /// Whether this host's commits are to carry hints: it heard from
+    /// another lately.
+    pub fn has_peers(&self) -> bool {
+        let peer = self.peer.lock().unwrap_or_else(PoisonError::into_inner);
+        peer.is_some_and(|at| at.elapsed() < PEER_QUIET)
+    }
+
     /// Teach `cache`, between two batches, what was learned since the last.
     pub fn teach(&self, cache: &mut Cache) {
         for (rec, version) in take(&self.renewed) {
@@ -55,5 +74,34 @@ impl Learned {
         for Hint(resource, last, free) in take(&self.heard) {
             cache.heard(&resource, last, free);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_alone_sends_no_hints_and_one_that_heard_another_does() {
+        let l = Learned::default();
+        assert!(!l.has_peers());
+        l.peer_heard();
+        assert!(l.has_peers());
+        *l.peer.lock().expect("lock") = Instant::now().checked_sub(PEER_QUIET);
+        assert!(!l.has_peers(), "quiet for long: alone again");
+    }
+
+    #[test]
+    fn what_was_heard_is_taught_once_and_capped() {
+        let l = Learned::default();
+        l.heard((0..CAP as i64 + 10).map(|i| Hint(format!("r{i}"), i, true)));
+        let mut c = Cache::guarded();
+        l.teach(&mut c);
+        assert_eq!(c.current_lease("r9"), None, "the oldest forgotten");
+        assert_eq!(c.current_lease("r10"), Some(None));
+        assert_eq!(c.next_token("r10"), Some(11));
+        let mut again = Cache::guarded();
+        l.teach(&mut again);
+        assert_eq!(again.current_lease("r10"), None, "taught once");
     }
 }

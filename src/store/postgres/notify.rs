@@ -266,6 +266,7 @@ async fn listen(
                 };
                 if msg.from != me {
                     listener.peer_heard(&msg.from);
+                    learned.peer_heard();
                 }
                 if let Some(news) = msg.news(me) {
                     // Empty: a host saying it is alive, heard just now.

@@ -552,7 +552,11 @@ impl Writer {
         // The checks, the queued writes, the notifications (delivered to
         // the other hosts only if this commits) and COMMIT, in one round
         // trip.
-        let notices = self.notify.payloads(&effects, hints(cache));
+        let hints = match self.learned.has_peers() {
+            true => hints(cache),
+            false => Vec::new(),
+        };
+        let notices = self.notify.payloads(&effects, hints);
         let marker = self.marker();
         let committed = pipe
             .commit(
