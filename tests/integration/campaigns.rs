@@ -350,8 +350,10 @@ async fn keyed_writes_retried_through_cut_database_connections_are_done_once() {
         // Every connection of the server to its database is cut, again and
         // again, while the clients write.
         let stop = Arc::new(AtomicBool::new(false));
+        // Keyed writes answered so far, for the cutter to see progress.
+        let answered = Arc::new(AtomicUsize::new(0));
         let cutter = {
-            let stop = stop.clone();
+            let (stop, answered) = (stop.clone(), answered.clone());
             tokio::spawn(async move {
                 use sqlx::Connection;
                 let mut admin = sqlx::PgConnection::connect(&format!("{base}/postgres"))
@@ -359,13 +361,23 @@ async fn keyed_writes_retried_through_cut_database_connections_are_done_once() {
                     .expect("connect");
                 let mut cuts = 0usize;
                 let mut rounds = 0usize;
+                let (mut seen, mut stuck) = (0, 0usize);
                 while !stop.load(Ordering::SeqCst) {
                     rounds += 1;
                     // Every tenth round, a window of 60 ms: on a loaded
                     // machine (CI, the whole suite running) a server that had
                     // to reconnect, set its connection up and write within
-                    // 30 ms was cut before any write for two minutes.
-                    if rounds.is_multiple_of(10) {
+                    // 30 ms was cut before any write for two minutes. Where
+                    // even that is too short (no write answered for 30
+                    // rounds), one of 500 ms: the campaign is of cuts that
+                    // land mid-write, not of a server kept from writing.
+                    let now = answered.load(Ordering::SeqCst);
+                    stuck = if now == seen { stuck + 1 } else { 0 };
+                    seen = now;
+                    if stuck >= 30 {
+                        stuck = 0;
+                        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    } else if rounds.is_multiple_of(10) {
                         tokio::time::sleep(std::time::Duration::from_millis(60)).await;
                     }
                     let cut: Vec<bool> = sqlx::query_scalar(
@@ -386,6 +398,7 @@ async fn keyed_writes_retried_through_cut_database_connections_are_done_once() {
         let mut clients = tokio::task::JoinSet::new();
         for c in 0..CUT_CLIENTS {
             let (client, base) = (s.client.clone(), s.base.clone());
+            let answered = answered.clone();
             clients.spawn(async move {
                 let (mut tries, mut done) = (0, Vec::new());
                 for n in 0..CUT_OPS {
@@ -405,6 +418,7 @@ async fn keyed_writes_retried_through_cut_database_connections_are_done_once() {
                         "a retried acquire meets its own lease: {lease}"
                     );
                     tries += t;
+                    answered.fetch_add(1, Ordering::SeqCst);
                     let id = lease["id"].as_str().expect("id").to_owned();
                     let release = format!("{base}/v1/leases/{id}/release");
                     let (status, ended, t) = post_until_answered(
@@ -417,6 +431,7 @@ async fn keyed_writes_retried_through_cut_database_connections_are_done_once() {
                     assert_eq!(status, StatusCode::OK, "{ended}");
                     assert_eq!(ended["state"], "released");
                     tries += t;
+                    answered.fetch_add(1, Ordering::SeqCst);
                     done.push((resource, id));
                 }
                 (tries, done)
