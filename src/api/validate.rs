@@ -8,7 +8,7 @@ pub const RESOURCE_MAX: usize = 512;
 pub const NAME_MAX: usize = 256;
 pub const METADATA_MAX: usize = 16 * 1024;
 pub const TTL_MS: std::ops::RangeInclusive<i64> = 1_000..=86_400_000;
-pub const WAIT_MS: std::ops::RangeInclusive<i64> = 0..=60_000;
+pub const WAIT_MS: std::ops::RangeInclusive<i64> = 0..=crate::waiters::MAX_WAIT_MS as i64;
 
 /// A UTF-8 string of 1..=max bytes without control characters.
 pub fn text(field: &str, value: &str, max: usize) -> Result<(), ApiError> {

@@ -294,7 +294,7 @@ impl Cache {
 
     /// What this transaction leaves on the resources whose current lease
     /// it read or wrote (the checks made it true at its commit), for the
-    /// other hosts (`postgres::notify::Hint`): each resource with its last
+    /// other hosts (`postgres::learned::Hint`): each resource with its last
     /// token, and whether it is free.
     pub fn hints(&self) -> Vec<(String, i64, bool)> {
         let Some(g) = &self.guard else {

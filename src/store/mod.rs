@@ -181,6 +181,10 @@ pub trait CommitListener: Send + Sync + 'static {
     fn announce_with(&self, _a: Arc<dyn crate::waiters::remote::Announce>) {}
     /// Another host of the fleet (server instance `from`) sent a notification.
     fn peer_heard(&self, _from: &str) {}
+    /// Whether another host was heard from lately (`peer_heard`).
+    fn has_peers(&self) -> bool {
+        false
+    }
 }
 
 /// One storage backend.

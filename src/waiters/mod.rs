@@ -50,7 +50,7 @@ pub struct Waiters {
 }
 
 /// The longest wait a request may ask for (`wait_ms`).
-const MAX_WAIT_MS: u64 = 60_000;
+pub const MAX_WAIT_MS: u64 = 60_000;
 
 /// How long a host that heard from no other keeps announcing its waiters.
 const PEER_QUIET: std::time::Duration = std::time::Duration::from_secs(600);
@@ -121,7 +121,9 @@ impl Waiters {
         }
     }
 
-    fn peers(&self) -> bool {
+    /// Whether another host was heard from lately: a fleet of more than
+    /// this one.
+    pub fn peers(&self) -> bool {
         let heard = self
             .peer_heard
             .lock()
@@ -429,6 +431,10 @@ impl CommitListener for Hub {
         self.waiters.peer_heard(from);
     }
 
+    fn has_peers(&self) -> bool {
+        self.waiters.peers()
+    }
+
     fn committed(&self, effects: &[Effect]) {
         for e in effects {
             match e {
@@ -575,6 +581,16 @@ mod tests {
             [format!("wait r {id}"), format!("left r {id}")],
             "announced once; a ticket never announced leaves unannounced ({quiet_id})"
         );
+    }
+
+    #[test]
+    fn a_host_has_peers_once_another_is_heard_from_and_until_it_is_quiet_for_long() {
+        let w = Waiters::default();
+        assert!(!w.peers());
+        w.peer_heard("b");
+        assert!(w.peers());
+        *w.peer_heard.lock().expect("lock") = Instant::now().checked_sub(PEER_QUIET);
+        assert!(!w.peers(), "quiet for long: alone again");
     }
 
     #[tokio::test]

@@ -1,21 +1,23 @@
 //! What the writer's cache learns between its batches from outside its
 //! own transactions: leases renewed by `renewals`, and what other hosts'
-//! commits left on the resources they touched (`notify::Hint`). Either is
-//! only a hint: the cache answers from it through checks at commit
-//! (`cache::Check`), so a hint out of date costs a batch its second run,
-//! never a wrong answer. Without them a host that shares resources with
+//! commits left on the resources they touched (`Hint`, carried by
+//! `notify`). Either is only a hint: the cache answers from it through
+//! checks at commit (`cache::Check`), so a hint out of date costs a batch
+//! its second run, never a wrong answer. Without them a host that shares resources with
 //! another keeps failing its checks, and reads every row afresh.
 
 use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant};
 
-use super::notify::Hint;
+use serde::{Deserialize, Serialize};
+
 use crate::model::LeaseRecord;
 use crate::store::cache::Cache;
 
-/// How long after it last heard from another host a host still sends
-/// hints with its commits: one alone on its database has nobody to tell.
-const PEER_QUIET: Duration = Duration::from_secs(600);
+/// What a commit left on a resource whose current lease it read or wrote:
+/// resource, last token, whether it is free. Another host's writer takes
+/// it as a hint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hint(pub String, pub i64, pub bool);
 
 /// Past this many of either not yet taught, the older are forgotten: the
 /// cache's checks catch what it does not learn.
@@ -28,8 +30,6 @@ pub struct Learned {
     renewed: Mutex<Vec<(LeaseRecord, i64)>>,
     /// What other hosts' commits left on resources.
     heard: Mutex<Vec<Hint>>,
-    /// When another host was last heard from.
-    peer: Mutex<Option<Instant>>,
 }
 
 fn push<T>(queue: &Mutex<Vec<T>>, items: impl IntoIterator<Item = T>) {
@@ -54,18 +54,6 @@ impl Learned {
         push(&self.heard, hints);
     }
 
-    /// Another host sent a notification.
-    pub fn peer_heard(&self) {
-        *self.peer.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
-    }
-
-    /// Whether this host's commits are to carry hints: it heard from
-    /// another lately.
-    pub fn has_peers(&self) -> bool {
-        let peer = self.peer.lock().unwrap_or_else(PoisonError::into_inner);
-        peer.is_some_and(|at| at.elapsed() < PEER_QUIET)
-    }
-
     /// Teach `cache`, between two batches, what was learned since the last.
     pub fn teach(&self, cache: &mut Cache) {
         for (rec, version) in take(&self.renewed) {
@@ -80,16 +68,6 @@ impl Learned {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_host_alone_sends_no_hints_and_one_that_heard_another_does() {
-        let l = Learned::default();
-        assert!(!l.has_peers());
-        l.peer_heard();
-        assert!(l.has_peers());
-        *l.peer.lock().expect("lock") = Instant::now().checked_sub(PEER_QUIET);
-        assert!(!l.has_peers(), "quiet for long: alone again");
-    }
 
     #[test]
     fn what_was_heard_is_taught_once_and_capped() {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 
-use super::learned::Learned;
+use super::learned::{Hint, Learned};
 use super::map_err;
 use crate::store::{CommitListener, Effect, Result};
 use crate::waiters::remote::WaitNews;
@@ -25,12 +25,6 @@ pub(super) struct Wait(pub String, pub u64, pub u64);
 /// A waiter that left a queue: resource, ticket.
 #[derive(Serialize, Deserialize)]
 pub(super) struct Left(pub String, pub u64);
-
-/// What a commit left on a resource whose current lease it read or wrote:
-/// resource, last token, whether it is free. Another host's writer takes
-/// it as a hint (`learned`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Hint(pub String, pub i64, pub bool);
 
 /// A commit's message, or an announcement of waiters (`announce`), which
 /// a holdfast that knows none reads as a commit without effects.
@@ -199,7 +193,12 @@ impl Notifier {
             .collect()
     }
 
-    /// What other hosts' commits left (their hints) goes to `learned`.
+    /// Listen for other hosts' commits until the pool closes, on a
+    /// connection of its own (`url`), so that it never takes one of the
+    /// pool's. After every (re)connection, notifications may have been
+    /// missed: the listener is told the newest seq and to wake every
+    /// waiter, who then re-check. What the commits left (their hints) goes
+    /// to `learned`.
     pub fn spawn_listener(
         &self,
         url: String,
@@ -266,7 +265,6 @@ async fn listen(
                 };
                 if msg.from != me {
                     listener.peer_heard(&msg.from);
-                    learned.peer_heard();
                 }
                 if let Some(news) = msg.news(me) {
                     // Empty: a host saying it is alive, heard just now.

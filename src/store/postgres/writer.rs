@@ -552,7 +552,8 @@ impl Writer {
         // The checks, the queued writes, the notifications (delivered to
         // the other hosts only if this commits) and COMMIT, in one round
         // trip.
-        let hints = match self.learned.has_peers() {
+        // A host alone on its database has nobody to tell.
+        let hints = match self.listener.has_peers() {
             true => hints(cache),
             false => Vec::new(),
         };
@@ -630,10 +631,10 @@ impl Writer {
 }
 
 /// What the batch leaves on the resources it touched, for the other hosts.
-fn hints(cache: &Cache) -> Vec<super::notify::Hint> {
+fn hints(cache: &Cache) -> Vec<super::learned::Hint> {
     let hints = cache.hints().into_iter();
     hints
-        .map(|(r, last, free)| super::notify::Hint(r, last, free))
+        .map(|(r, last, free)| super::learned::Hint(r, last, free))
         .collect()
 }
 
@@ -681,6 +682,12 @@ fn answer(listener: &dyn CommitListener, done: Done, effects: &[Effect]) {
 mod tests {
     use super::*;
 
+    use crate::model::LeaseState;
+    use crate::store::{JobFn, JobOutput, Result};
+    use crate::tx::fixture::lease_record;
+    use sqlx::Connection;
+    use tokio::sync::oneshot;
+
     #[test]
     fn one_failed_check_is_forgiven_and_a_second_within_a_second_goes_cold() {
         let t0 = Instant::now();
@@ -694,11 +701,6 @@ mod tests {
         assert!(c.is_cold(again) && c.is_cold(again + Duration::from_millis(999)));
         assert!(!c.is_cold(again + COLD_FOR));
     }
-    use crate::model::LeaseState;
-    use crate::store::{JobFn, JobOutput, Result};
-    use crate::tx::fixture::lease_record;
-    use sqlx::Connection;
-    use tokio::sync::oneshot;
 
     use super::super::scratch::Nobody;
 
