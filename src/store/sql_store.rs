@@ -7,7 +7,7 @@ use sqlx::Pool;
 use sqlx::pool::PoolConnection;
 
 use super::db::{Db, Exec, conn_err};
-use super::{Backend, BoxFuture, JobFn, JobOutput, Result, rows};
+use super::{Backend, BoxFuture, JobFn, JobOutput, Result, StoreError, rows};
 use crate::model::{
     EventRow, IdempotentRequest, LeaseFilter, LeaseRecord, PortRecord, ProcessFilter, ProcessRecord,
 };
@@ -65,13 +65,30 @@ impl<D: Db> SqlStore<D> {
     }
 }
 
-/// `$f` on a read connection of `$s`, as a boxed future.
+/// How many times a read is run again after its connection was found cut.
+const READ_RETRIES: u32 = 2;
+
+/// `$f` on a read connection of `$s`, as a boxed future. A pooled
+/// connection can be cut while idle (the database restarted, an
+/// administrator ended the session) after the pool last checked it: such a
+/// read is run again on another connection, since reads change nothing. A
+/// pool that cannot hand out a connection at all is not retried here.
 macro_rules! read {
     ($s:ident, |$c:ident| $f:expr) => {
         Box::pin(async move {
-            let mut conn = $s.conn().await?;
-            let $c = &mut *conn;
-            $f.await
+            let mut retries = 0;
+            loop {
+                let mut conn = $s.conn().await?;
+                let $c = &mut *conn;
+                match $f.await {
+                    Err(StoreError::Unavailable(e)) if retries < READ_RETRIES => {
+                        retries += 1;
+                        tracing::debug!(error = %e, "a read's connection was cut; reading again");
+                        conn.close_on_drop();
+                    }
+                    done => return done,
+                }
+            }
         })
     };
 }

@@ -244,3 +244,67 @@ impl SqlStore<Postgres> {
         Ok(store.with_renewals(Arc::new(renewals)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use sqlx::Connection;
+    use sqlx::postgres::PgPoolOptions;
+
+    use super::super::counters::WriteCounters;
+    use super::super::sql_store::{SqlStore, Writes};
+    use super::super::{Backend, BoxFuture, JobFn, JobOutput, Result, StoreError};
+
+    /// Reads only.
+    struct NoWrites;
+    impl Writes for NoWrites {
+        fn write(&self, _: bool, _: JobFn) -> BoxFuture<'_, Result<JobOutput>> {
+            Box::pin(async { Err(StoreError::Other("this store reads only".into())) })
+        }
+        fn counters(&self) -> WriteCounters {
+            WriteCounters::default()
+        }
+        fn close(&self) -> BoxFuture<'_, ()> {
+            Box::pin(async {})
+        }
+    }
+
+    /// The pool's only connection is ended by the database while idle, and
+    /// handed out unchecked: the read that meets the cut runs again on a
+    /// new connection instead of failing.
+    #[tokio::test]
+    async fn a_read_on_a_pooled_connection_cut_while_idle_is_read_again() {
+        let Some(url) = super::scratch::database().await else {
+            return;
+        };
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .test_before_acquire(false)
+            .connect(&url)
+            .await
+            .expect("pool");
+        let store = SqlStore::new(pool.clone(), Arc::new(NoWrites));
+        let mut conn = pool.acquire().await.expect("connection");
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *conn)
+            .await
+            .expect("pid");
+        conn.return_to_pool().await;
+        let mut admin = sqlx::PgConnection::connect(&url).await.expect("admin");
+        let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
+            .bind(pid)
+            .fetch_one(&mut admin)
+            .await
+            .expect("terminate");
+        assert!(ended, "the pooled connection's server process did not end");
+        assert_eq!(pool.num_idle(), 1, "the cut connection is still pooled");
+        let read = store.get_lease("nothing-here").await;
+        assert!(matches!(read, Ok(None)), "{read:?}");
+        let now: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .expect("pid");
+        assert_ne!(now, pid, "the read went to the cut connection and back");
+    }
+}
