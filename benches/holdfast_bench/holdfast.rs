@@ -22,6 +22,8 @@ pub struct Api {
     /// With `--hosts N`, the other servers on the same database: client `i`
     /// of a run talks to host `i % N` (`host`).
     pub others: Vec<String>,
+    /// `--keyed yes`: every POST carries an `Idempotency-Key` of its own.
+    pub keyed: bool,
 }
 
 impl Api {
@@ -31,6 +33,7 @@ impl Api {
             client: client.clone(),
             base,
             others: Vec::new(),
+            keyed: false,
         }
     }
 
@@ -41,7 +44,10 @@ impl Api {
             0 => self.base.clone(),
             k => self.others[k - 1].clone(),
         };
-        Api::new(&self.client, base)
+        Api {
+            keyed: self.keyed,
+            ..Api::new(&self.client, base)
+        }
     }
 
     /// Every host's API.
@@ -52,7 +58,11 @@ impl Api {
     /// POSTs JSON; the status and the JSON body (Null when not JSON) of the answer.
     async fn post(&self, path: &str, body: Value) -> Result<(StatusCode, Value), reqwest::Error> {
         let url = format!("{}{path}", self.base);
-        let resp = self.client.post(url).json(&body).send().await?;
+        let mut req = self.client.post(url).json(&body);
+        if self.keyed {
+            req = req.header("Idempotency-Key", uuid::Uuid::now_v7().to_string());
+        }
+        let resp = req.send().await?;
         let status = resp.status();
         let bytes = resp.bytes().await?; // read it all so the connection is reused
         let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);

@@ -9,7 +9,7 @@
 //!     [--concurrency 1,8,64] [--seconds 5] [--workload churn,renew,contended,spawn,stop50] \
 //!     [--stores sqlite,postgres] [--postgres postgres://postgres@127.0.0.1:5432] \
 //!     [--against etcd,supervisord] [--prefill leases=N,processes=M[,resources=R][,events=K]] \
-//!     [--floors yes] [--hosts N]
+//!     [--floors yes] [--hosts N] [--keyed yes]
 //! ```
 //!
 //! `--stores` (without `--url`) starts one server per store and runs every
@@ -51,6 +51,9 @@
 //! releases on another). Its `cpu` is that of all N servers, `ops/commit` and
 //! `rt/op` are summed over them, and each point is followed by `ratio <workload>
 //! C=<c> fleet<N>/postgres / postgres = X.XXx`.
+//!
+//! `--keyed yes` sends every holdfast POST with an `Idempotency-Key` of its own,
+//! as a client does that may retry it (the anchors' requests are unchanged).
 //!
 //! `--floors yes` precedes every point whose operations run one after another (C=1,
 //! and hand-offs at every C) with the steps no server can skip, each timed alone
@@ -189,6 +192,8 @@ struct Args {
     floors: bool,
     /// `--hosts N`: the `postgres` store also runs as N servers on one database.
     hosts: usize,
+    /// `--keyed yes`: holdfast's requests carry an `Idempotency-Key` each.
+    keyed: bool,
 }
 
 /// Adds what failed to an error, for `?` on setup steps.
@@ -203,6 +208,14 @@ fn parse_list<T>(v: &str, item: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, St
         .collect()
 }
 
+fn yes_or_no(flag: &str, value: &str) -> Result<bool, String> {
+    match value {
+        "yes" => Ok(true),
+        "no" => Ok(false),
+        _ => Err(format!("{flag}: {value:?} is neither yes nor no")),
+    }
+}
+
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         url: None,
@@ -215,6 +228,7 @@ fn parse_args() -> Result<Args, String> {
         prefill: None,
         floors: false,
         hosts: 1,
+        keyed: false,
     };
     let mut it = std::env::args().skip(1).filter(|a| a != "--bench"); // added by cargo bench
     while let Some(flag) = it.next() {
@@ -250,13 +264,8 @@ fn parse_args() -> Result<Args, String> {
                 Ok(n) if n > 0 => args.hosts = n,
                 _ => return Err(format!("--hosts: {value:?} is not a positive number")),
             },
-            "--floors" => {
-                args.floors = match value.as_str() {
-                    "yes" => true,
-                    "no" => false,
-                    _ => return Err(format!("--floors: {value:?} is neither yes nor no")),
-                }
-            }
+            "--floors" => args.floors = yes_or_no("--floors", &value)?,
+            "--keyed" => args.keyed = yes_or_no("--keyed", &value)?,
             _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
@@ -386,8 +395,9 @@ impl Bench {
             });
         }
         for t in &mut self.targets {
-            t.version = match &t.endpoint {
+            t.version = match &mut t.endpoint {
                 Endpoint::Holdfast(api) => {
+                    api.keyed = args.keyed;
                     holdfast::wait_ready(api, t.server.as_mut()).await?;
                     None
                 }
