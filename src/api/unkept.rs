@@ -112,7 +112,6 @@ async fn write(
     request_id: &str,
     answer: Option<&IdempotentRequest>,
 ) -> Result<(), StoreError> {
-    let (key, id) = (key.to_owned(), request_id.to_owned());
     let answer = answer.map(|a| {
         (
             a.status.unwrap_or(500),
@@ -120,6 +119,13 @@ async fn write(
             a.body.clone().unwrap_or_default(),
         )
     });
+    let alone = answer
+        .as_ref()
+        .map(|(s, t, b)| (*s, t.as_str(), b.as_str()));
+    if store.backend().settle_key(key, request_id, alone).await? {
+        return Ok(());
+    }
+    let (key, id) = (key.to_owned(), request_id.to_owned());
     store
         .write(true, move |tx| {
             Box::pin(async move {

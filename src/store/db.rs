@@ -177,6 +177,10 @@ pub trait Db: Database<Connection: Exec> {
     /// Renewals may be answered before they reach stable storage (a
     /// single-host store that stretches TTLs after a crash instead).
     const RELAXED_RENEWALS: bool;
+    /// A keyed request's answer (or the release of its key) is written by
+    /// one statement of its own, outside the write transactions
+    /// (`Backend::settle_key`).
+    const KEYS_SETTLED_ALONE: bool;
 }
 
 /// A statement that changed `n` rows where it had to change `expected`.

@@ -251,6 +251,16 @@ pub trait Backend: Send + Sync + 'static {
     fn close(&self) -> BoxFuture<'_, ()>;
     /// Which store this is, as `/readyz` names it: `sqlite` or `postgres`.
     fn kind(&self) -> &'static str;
+    /// Keep the answer of the request `request_id` under `key` (with None:
+    /// let the key go, if that request still holds it) in one durable
+    /// statement of its own, where the store can: true then; false when the
+    /// caller is to write it in a transaction.
+    fn settle_key<'a>(
+        &'a self,
+        key: &'a str,
+        request_id: &'a str,
+        answer: Option<(u16, &'a str, &'a str)>,
+    ) -> BoxFuture<'a, Result<bool>>;
     /// Whether renewals may be answered before they reach stable storage
     /// (a single-host store that extends TTLs after a crash instead).
     fn relaxed_renewals(&self) -> bool;

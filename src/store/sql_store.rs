@@ -211,6 +211,29 @@ impl<D: Db> Backend for SqlStore<D> {
         D::KIND
     }
 
+    fn settle_key<'a>(
+        &'a self,
+        key: &'a str,
+        request_id: &'a str,
+        answer: Option<(u16, &'a str, &'a str)>,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            if !D::KEYS_SETTLED_ALONE {
+                return Ok(false);
+            }
+            let mut conn = self.conn().await?;
+            let c = &mut *conn;
+            let counters = self.writes.counters();
+            counters.round_trips.inc();
+            match answer {
+                Some(a) => rows::answer_key(c, key, request_id, a).await?,
+                None => rows::forget_key(c, key, request_id).await?,
+            }
+            counters.ran(true, 1);
+            Ok(true)
+        })
+    }
+
     fn relaxed_renewals(&self) -> bool {
         D::RELAXED_RENEWALS
     }

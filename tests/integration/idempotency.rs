@@ -222,6 +222,16 @@ async fn a_spawn_retried_with_its_key_starts_one_process() {
     );
 }
 
+/// A server on PostgreSQL, in its data dir, and a connection to its database.
+async fn on_postgres() -> (tempfile::TempDir, Server, sqlx::PgConnection) {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_in(dir.path(), &[]).await;
+    let url = crate::stores::database_for(s.dir()).await;
+    let db = sqlx::PgConnection::connect(&url).await.expect("connect");
+    (dir, s, db)
+}
+
 /// The status kept with key `u-1`.
 async fn status_kept(db: &mut sqlx::PgConnection) -> Option<i64> {
     sqlx::query_scalar("SELECT status::bigint FROM idempotency WHERE key = 'u-1'")
@@ -237,12 +247,8 @@ async fn status_kept(db: &mut sqlx::PgConnection) -> Option<i64> {
 #[tokio::test]
 async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
     use crate::stores::{Store, run};
-    use sqlx::Connection;
     run(Store::Postgres, async {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let s = Server::start_in(dir.path(), &[]).await;
-        let url = crate::stores::database_for(s.dir()).await;
-        let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
+        let (dir, s, mut db) = on_postgres().await;
         // Recording a key inserts its row; keeping its answer updates it.
         sqlx::raw_sql(
             "CREATE TABLE test_refusal (refused boolean NOT NULL);
@@ -300,6 +306,55 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
             (StatusCode::CREATED, &first.body)
         );
         assert!(replayed(&after));
+        assert_eq!(acquires(&s).await, 1);
+    })
+    .await
+}
+
+/// On PostgreSQL a keyed request's answer is kept by a statement of its
+/// own, which takes no part of the fleet's write lock (the row of
+/// `event_seq`): the writer runs one batch per keyed request, not two.
+#[tokio::test]
+async fn a_keyed_answer_on_postgres_is_kept_without_the_fleet_lock() {
+    use crate::stores::{Store, run};
+    run(Store::Postgres, async {
+        let (_dir, s, mut db) = on_postgres().await;
+        // Each write of an answer notes whether its transaction holds a
+        // lock on `event_seq`, as every write transaction of the writer does.
+        sqlx::raw_sql(
+            "CREATE TABLE test_answers (status bigint, fleet_locked boolean NOT NULL);
+             CREATE FUNCTION test_note() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.status IS NOT NULL THEN
+                     INSERT INTO test_answers SELECT NEW.status, EXISTS (
+                         SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid()
+                             AND relation = 'event_seq'::regclass);
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER test_note BEFORE UPDATE ON idempotency
+                 FOR EACH ROW EXECUTE FUNCTION test_note();",
+        )
+        .execute(&mut db)
+        .await
+        .expect("trigger");
+
+        let body = json!({"resource": "idem/alone", "holder": "h", "ttl_ms": 60000});
+        let first = s.post_keyed("/v1/leases", "alone-1", body.clone()).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+        let noted: Vec<(Option<i64>, bool)> =
+            sqlx::query_as("SELECT status, fleet_locked FROM test_answers")
+                .fetch_all(&mut db)
+                .await
+                .expect("noted");
+        assert_eq!(noted, [(Some(201), false)], "one answer, kept unlocked");
+
+        let again = s.post_keyed("/v1/leases", "alone-1", body).await;
+        assert_eq!(
+            (again.status, &again.body),
+            (StatusCode::CREATED, &first.body)
+        );
+        assert!(replayed(&again));
         assert_eq!(acquires(&s).await, 1);
     })
     .await

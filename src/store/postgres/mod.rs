@@ -109,6 +109,11 @@ impl Db for Postgres {
     const KIND: &'static str = "postgres";
     // Other hosts judge expiry from the table: a renewal is written first.
     const RELAXED_RENEWALS: bool = false;
+    // The statement touches only the key's row, which the request holds
+    // (its request id is in the `WHERE`): it needs no fleet lock, and a
+    // transaction of its own under that lock cost the writer a second
+    // batch per keyed request.
+    const KEYS_SETTLED_ALONE: bool = true;
 }
 
 impl Exec for PgConnection {
