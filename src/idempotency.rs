@@ -4,6 +4,16 @@
 //! request's transactions, the same transaction as its change, so that a
 //! change is never kept without its key. A request that finds the key held
 //! by another request makes no change (`StoreError::RequestInProgress`).
+//!
+//! A key is recorded with the server run that answers its request. If that
+//! run ends (the server killed or restarted) before the answer is stored,
+//! the key would stay in progress for a day, and the client's retry, which
+//! is what the key is for, would be refused. So a retry of the same request
+//! takes over the key of a run that has ended (`Backend::run_alive`) and is
+//! done afresh, unless a transaction of the first request created a record
+//! (a lease, a process, a port reservation; `Tx::key_created`): creating it
+//! again would make the change twice, and that key stays held. What else a
+//! request changes (a renewal, a release, a stop) is safe to do again.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +29,9 @@ pub struct Claim {
     pub request: String,
     /// This request, among those that may send the key.
     pub request_id: String,
+    /// The request this one takes the key over from: it was still in
+    /// progress when its server run ended, and had created nothing.
+    pub supersedes: Option<String>,
     /// A transaction of this request recorded the key (it holds it if that
     /// transaction committed).
     recorded: AtomicBool,
@@ -32,11 +45,12 @@ tokio::task_local! {
 }
 
 impl Claim {
-    pub fn new(key: String, request: String) -> Arc<Self> {
+    pub fn new(key: String, request: String, supersedes: Option<String>) -> Arc<Self> {
         Arc::new(Self {
             key,
             request,
             request_id: uuid::Uuid::now_v7().to_string(),
+            supersedes,
             recorded: AtomicBool::new(false),
             unsure: AtomicBool::new(false),
         })

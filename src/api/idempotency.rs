@@ -73,14 +73,20 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
         return again(first, &request);
     }
     let now = crate::time::now_ms();
-    match state.store.backend().idempotent_request(&key).await {
+    let backend = state.store.backend();
+    let mut supersedes = None;
+    match backend.idempotent_request(&key).await {
         Err(e) => return ApiError::from(e).into_response(),
         Ok(Some(first)) if first.created_at >= now - crate::idempotency::KEEP_MS => {
-            return again(first, &request);
+            match abandoned(backend, &first, &request).await {
+                Err(e) => return ApiError::from(e).into_response(),
+                Ok(true) => supersedes = Some(first.request_id),
+                Ok(false) => return again(first, &request),
+            }
         }
         Ok(_) => {}
     }
-    let claim = Claim::new(key, request);
+    let claim = Claim::new(key, request, supersedes);
     let req = Request::from_parts(parts, Body::from(bytes));
     // Answered to the end even if the client goes away: its retry gets
     // this answer.
@@ -91,6 +97,24 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
     task.await.unwrap_or_else(|_| {
         ApiError::Internal("a request with an idempotency key panicked".into()).into_response()
     })
+}
+
+/// Whether `first` is this same request, left in progress by a server run
+/// that has ended (killed, restarted) before it created anything: then
+/// this one takes its key over and is done afresh (see
+/// `crate::idempotency`).
+async fn abandoned(
+    backend: &dyn crate::store::Backend,
+    first: &IdempotentRequest,
+    request: &str,
+) -> Result<bool, crate::store::StoreError> {
+    let Some(run_id) = first.run_id.as_deref() else {
+        return Ok(false);
+    };
+    if first.status.is_some() || first.request != request {
+        return Ok(false);
+    }
+    Ok(!backend.run_alive(run_id).await?)
 }
 
 /// The answer to a repeat of `first`'s key.
@@ -155,6 +179,7 @@ async fn keep(state: &AppState, claim: &Arc<Claim>, res: Response) -> Response {
         content_type: Some(content_type),
         body: Some(String::from_utf8_lossy(&bytes).into_owned()),
         created_at: crate::time::now_ms(),
+        run_id: None,
     };
     settle(Some(answer)).await;
     Response::from_parts(parts, Body::from(bytes))

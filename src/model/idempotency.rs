@@ -13,4 +13,7 @@ pub struct IdempotentRequest {
     pub content_type: Option<String>,
     pub body: Option<String>,
     pub created_at: Millis,
+    /// The server run answering it while a retry may take its key over
+    /// once that run has ended (see `crate::idempotency`).
+    pub run_id: Option<String>,
 }

@@ -181,6 +181,10 @@ pub trait Db: Database<Connection: Exec> {
     /// one statement of its own, outside the write transactions
     /// (`Backend::settle_key`).
     const KEYS_SETTLED_ALONE: bool;
+    /// Servers of other runs may be using the database at the same time
+    /// (a fleet); else one server at a time holds it, and every run but
+    /// its own has ended.
+    const SHARED: bool;
 }
 
 /// A statement that changed `n` rows where it had to change `expected`.

@@ -41,6 +41,11 @@ pub const SQLITE: &[File] = &[
         "renewals in place",
         include_str!("../../migrations/sqlite/0005_renewals_in_place.sql"),
     ),
+    (
+        6,
+        "idempotency run",
+        include_str!("../../migrations/sqlite/0006_idempotency_run.sql"),
+    ),
 ];
 
 pub const POSTGRES: &[File] = &[
@@ -68,6 +73,11 @@ pub const POSTGRES: &[File] = &[
         5,
         "renewals in place",
         include_str!("../../migrations/postgres/0005_renewals_in_place.sql"),
+    ),
+    (
+        6,
+        "idempotency run",
+        include_str!("../../migrations/postgres/0006_idempotency_run.sql"),
     ),
 ];
 

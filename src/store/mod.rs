@@ -9,6 +9,7 @@ mod group;
 mod migrate;
 pub mod postgres;
 mod rows;
+pub use rows::KeyClaim;
 pub(crate) mod sql;
 mod sql_store;
 mod sql_tx;
@@ -110,16 +111,19 @@ pub trait Tx: Send {
         older_than: Option<Millis>,
     ) -> BoxFuture<'_, Result<i64>>;
 
-    /// Record `key` for request `request_id` unless another request did
-    /// first, since `stale`: the id of the request that holds it.
-    fn claim_key<'a>(
+    /// Record `claim.key` for its request unless another request did
+    /// first: the id of the request that holds it.
+    fn claim_key<'a>(&'a mut self, claim: &'a KeyClaim<'a>) -> BoxFuture<'a, Result<String>>;
+    /// The request `request_id` that holds `key` created a record in this
+    /// transaction: its key is never taken over (see `crate::idempotency`).
+    fn key_created<'a>(
         &'a mut self,
         key: &'a str,
-        request: &'a str,
         request_id: &'a str,
-        at: Millis,
-        stale: Millis,
-    ) -> BoxFuture<'a, Result<String>>;
+    ) -> BoxFuture<'a, Result<()>>;
+    /// Whether this transaction inserted a lease, a process or a port
+    /// reservation so far.
+    fn created(&self) -> bool;
     /// Store the answer (status, content type, body) of the request that holds `key`.
     fn answer_key<'a>(
         &'a mut self,
@@ -261,6 +265,13 @@ pub trait Backend: Send + Sync + 'static {
         request_id: &'a str,
         answer: Option<(u16, &'a str, &'a str)>,
     ) -> BoxFuture<'a, Result<bool>>;
+    /// This server run's id, new at every start, recorded with the keys of
+    /// the requests it answers (`crate::idempotency`).
+    fn run_id(&self) -> &str;
+    /// Whether the server run `run_id` may still be answering requests:
+    /// this one does; on a fleet's database, any whose server is still
+    /// connected to it.
+    fn run_alive<'a>(&'a self, run_id: &'a str) -> BoxFuture<'a, Result<bool>>;
     /// Whether renewals may be answered before they reach stable storage
     /// (a single-host store that extends TTLs after a crash instead).
     fn relaxed_renewals(&self) -> bool;
@@ -290,24 +301,35 @@ impl Store {
         // A request with an Idempotency-Key records it in each of its
         // transactions, before its change (see `crate::idempotency`).
         let claim = crate::idempotency::Claim::current();
+        let run_id: Arc<str> = self.backend.run_id().into();
         let mut runs = 0;
         let out = loop {
             runs += 1;
-            let (f, claim) = (f.clone(), claim.clone());
+            let (f, claim, run_id) = (f.clone(), claim.clone(), run_id.clone());
             let job: JobFn = Box::new(move |tx| {
                 Box::pin(async move {
-                    if let Some(c) = claim {
-                        let at = crate::time::now_ms();
-                        let stale = at - crate::idempotency::KEEP_MS;
-                        let holder = tx
-                            .claim_key(&c.key, &c.request, &c.request_id, at, stale)
-                            .await?;
-                        if holder != c.request_id {
-                            return Err(StoreError::RequestInProgress);
-                        }
-                        c.mark_recorded();
+                    let Some(c) = claim else {
+                        return f(tx).await.map(|r| Box::new(r) as JobOutput);
+                    };
+                    let at = crate::time::now_ms();
+                    let mine = KeyClaim {
+                        key: &c.key,
+                        request: &c.request,
+                        request_id: &c.request_id,
+                        run_id: &run_id,
+                        supersedes: c.supersedes.as_deref(),
+                        at,
+                        stale: at - crate::idempotency::KEEP_MS,
+                    };
+                    if tx.claim_key(&mine).await? != c.request_id {
+                        return Err(StoreError::RequestInProgress);
                     }
-                    f(tx).await.map(|r| Box::new(r) as JobOutput)
+                    c.mark_recorded();
+                    let out = f(tx).await?;
+                    if tx.created() {
+                        tx.key_created(&c.key, &c.request_id).await?;
+                    }
+                    Ok(Box::new(out) as JobOutput)
                 })
             });
             let written = match runs {

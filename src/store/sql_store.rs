@@ -40,14 +40,17 @@ pub struct SqlStore<D: Db> {
     reads: Pool<D>,
     writes: Arc<dyn Writes>,
     renewals: Option<Arc<dyn RenewsPlain>>,
+    /// This server run's id (`Backend::run_id`).
+    run_id: String,
 }
 
 impl<D: Db> SqlStore<D> {
-    pub fn new(reads: Pool<D>, writes: Arc<dyn Writes>) -> Self {
+    pub fn new(reads: Pool<D>, writes: Arc<dyn Writes>, run_id: String) -> Self {
         Self {
             reads,
             writes,
             renewals: None,
+            run_id,
         }
     }
 
@@ -232,6 +235,18 @@ impl<D: Db> Backend for SqlStore<D> {
             counters.ran(true, 1);
             Ok(true)
         })
+    }
+
+    fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    fn run_alive<'a>(&'a self, run_id: &'a str) -> BoxFuture<'a, Result<bool>> {
+        if run_id == self.run_id || !D::SHARED {
+            let mine = run_id == self.run_id;
+            return Box::pin(async move { Ok(mine) });
+        }
+        read!(self, |c| rows::run_connected(c, run_id))
     }
 
     fn relaxed_renewals(&self) -> bool {

@@ -3,7 +3,7 @@
 
 use super::cache::Cache;
 use super::db::Exec;
-use super::{BoxFuture, Effect, Result, Tx, rows};
+use super::{BoxFuture, Effect, KeyClaim, Result, Tx, rows};
 use crate::model::{LeaseRecord, PortRecord, ProcessRecord};
 use crate::time::Millis;
 
@@ -15,6 +15,8 @@ pub struct SqlTx<'c, E: Exec + ?Sized> {
     pub effects: Vec<Effect>,
     /// The job asked for a durable commit.
     pub durable: bool,
+    /// It inserted a lease, a process or a port reservation.
+    created: bool,
 }
 
 impl<'c, E: Exec + ?Sized> SqlTx<'c, E> {
@@ -24,6 +26,7 @@ impl<'c, E: Exec + ?Sized> SqlTx<'c, E> {
             cache,
             effects: Vec::new(),
             durable: false,
+            created: false,
         }
     }
 }
@@ -108,6 +111,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     fn insert_lease<'a>(&'a mut self, lease: &'a LeaseRecord) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             rows::insert_lease(self.conn, lease).await?;
+            self.created = true;
             if let Some(cache) = self.cache.as_deref_mut() {
                 cache.saw_lease(lease, None);
                 cache.new_owner(&lease.id);
@@ -147,17 +151,20 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         Box::pin(rows::prune_events(self.conn, keep_last, older_than))
     }
 
-    fn claim_key<'a>(
+    fn claim_key<'a>(&'a mut self, claim: &'a KeyClaim<'a>) -> BoxFuture<'a, Result<String>> {
+        Box::pin(rows::claim_key(self.conn, claim))
+    }
+
+    fn key_created<'a>(
         &'a mut self,
         key: &'a str,
-        request: &'a str,
         request_id: &'a str,
-        at: Millis,
-        stale: Millis,
-    ) -> BoxFuture<'a, Result<String>> {
-        Box::pin(rows::claim_key(
-            self.conn, key, request, request_id, at, stale,
-        ))
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(rows::key_created(self.conn, key, request_id))
+    }
+
+    fn created(&self) -> bool {
+        self.created
     }
 
     fn answer_key<'a>(
@@ -204,6 +211,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     fn insert_process<'a>(&'a mut self, p: &'a ProcessRecord) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             rows::insert_process(self.conn, p).await?;
+            self.created = true;
             if let Some(cache) = self.cache.as_deref_mut() {
                 cache.new_owner(&p.id);
             }
@@ -230,6 +238,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     fn insert_port<'a>(&'a mut self, p: &'a PortRecord) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             rows::insert_port(self.conn, p).await?;
+            self.created = true;
             if let Some(cache) = self.cache.as_deref_mut() {
                 cache.port_inserted(p);
             }

@@ -11,7 +11,22 @@ use serde_json::json;
 use crate::stores::stores;
 use crate::support::Server;
 
-fn replayed(r: &crate::support::Reply) -> bool {
+/// Makes the database refuse to keep answers (a write it cannot take, as
+/// when it is briefly out of reach) until `test_refusal.refused` is false:
+/// a request's change is kept, its answer is not.
+pub const REFUSE_ANSWERS: &str = "CREATE TABLE test_refusal (refused boolean NOT NULL);
+     INSERT INTO test_refusal VALUES (true);
+     CREATE FUNCTION test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+     BEGIN
+         IF NEW.status IS NOT NULL AND (SELECT refused FROM test_refusal) THEN
+             RAISE EXCEPTION 'refused by the test' USING ERRCODE = 'lock_not_available';
+         END IF;
+         RETURN NEW;
+     END $$;
+     CREATE TRIGGER test_refuse BEFORE UPDATE ON idempotency
+         FOR EACH ROW EXECUTE FUNCTION test_refuse();";
+
+pub fn replayed(r: &crate::support::Reply) -> bool {
     r.headers
         .get("idempotent-replayed")
         .is_some_and(|v| v == "true")
@@ -250,22 +265,10 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
     run(Store::Postgres, async {
         let (dir, s, mut db) = on_postgres().await;
         // Recording a key inserts its row; keeping its answer updates it.
-        sqlx::raw_sql(
-            "CREATE TABLE test_refusal (refused boolean NOT NULL);
-             INSERT INTO test_refusal VALUES (true);
-             CREATE FUNCTION test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN
-                 IF NEW.status IS NOT NULL AND (SELECT refused FROM test_refusal) THEN
-                     RAISE EXCEPTION 'refused by the test' USING ERRCODE = 'lock_not_available';
-                 END IF;
-                 RETURN NEW;
-             END $$;
-             CREATE TRIGGER test_refuse BEFORE UPDATE ON idempotency
-                 FOR EACH ROW EXECUTE FUNCTION test_refuse();",
-        )
-        .execute(&mut db)
-        .await
-        .expect("trigger");
+        sqlx::raw_sql(REFUSE_ANSWERS)
+            .execute(&mut db)
+            .await
+            .expect("trigger");
 
         let body = json!({"resource": "idem/unkept", "holder": "h", "ttl_ms": 60000});
         let first = s.post_keyed("/v1/leases", "u-1", body.clone()).await;

@@ -8,6 +8,7 @@ mod disk_full;
 mod errors;
 mod fleet;
 mod idempotency;
+mod keys_after_crash;
 mod kill;
 mod leases;
 mod lost_commit;

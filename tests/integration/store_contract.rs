@@ -14,7 +14,7 @@ use holdfast::model::{
 };
 use holdfast::store::postgres::{PgStore, PoolSettings};
 use holdfast::store::sqlite::SqliteStore;
-use holdfast::store::{Backend, CommitListener, Effect, Store, StoreError};
+use holdfast::store::{Backend, CommitListener, Effect, KeyClaim, Store, StoreError};
 use holdfast::time::Millis;
 use serde_json::json;
 
@@ -834,11 +834,122 @@ async fn meta_is_upserted_and_holds_the_prune_watermark() {
 }
 
 async fn claim(s: &Store, key: &'static str, request_id: &'static str, at: Millis) -> String {
+    claim_over(s, key, request_id, None, at).await
+}
+
+/// Claim `key` for `request_id` in run "run-1", taking it over from
+/// `supersedes` if that request may be.
+async fn claim_over(
+    s: &Store,
+    key: &'static str,
+    request_id: &'static str,
+    supersedes: Option<&'static str>,
+    at: Millis,
+) -> String {
     s.write(true, move |tx| {
-        tx.claim_key(key, "POST /v1/leases\n{}", request_id, at, at - 1000)
+        Box::pin(async move {
+            let c = KeyClaim {
+                key,
+                request: "POST /v1/leases\n{}",
+                request_id,
+                run_id: "run-1",
+                supersedes,
+                at,
+                stale: at - 1000,
+            };
+            tx.claim_key(&c).await
+        })
     })
     .await
     .expect("claim")
+}
+
+stores!(a_keyed_write_records_its_run_until_it_creates_a_record);
+async fn a_keyed_write_records_its_run_until_it_creates_a_record() {
+    use holdfast::idempotency::Claim;
+    let place = Place::new().await;
+    let s = place.open().await;
+    let claim = Claim::new("w".into(), "POST /v1/leases\n{}".into(), None);
+    let read = claim
+        .clone()
+        .scope(s.store.write(true, |tx| tx.current_lease("res/k")))
+        .await
+        .expect("read");
+    assert!(read.is_none());
+    let run_id = s.backend().run_id().to_owned();
+    let row = || async {
+        let r = s.backend().idempotent_request("w").await.expect("read");
+        r.map(|r| (r.request_id, r.run_id))
+    };
+    assert_eq!(
+        row().await,
+        Some((claim.request_id.clone(), Some(run_id))),
+        "held by this run while it created nothing"
+    );
+    claim
+        .clone()
+        .scope(insert_lease(&s.store, lease("lease-k", "res/k", 1)))
+        .await
+        .expect("insert");
+    assert_eq!(row().await, Some((claim.request_id.clone(), None)));
+    s.close().await;
+}
+
+stores!(a_key_is_taken_over_only_from_the_request_named_while_it_created_nothing);
+async fn a_key_is_taken_over_only_from_the_request_named_while_it_created_nothing() {
+    let place = Place::new().await;
+    let s = place.open().await;
+    let at = 10_000;
+    assert_eq!(claim(&s.store, "k", "r1", at).await, "r1");
+    let held = s.backend().idempotent_request("k").await.expect("read");
+    assert_eq!(
+        held.and_then(|h| h.run_id).as_deref(),
+        Some("run-1"),
+        "recorded with its run"
+    );
+    assert_eq!(
+        claim_over(&s.store, "k", "r2", Some("r0"), at + 1).await,
+        "r1",
+        "not from another request than the one named"
+    );
+    assert_eq!(
+        claim_over(&s.store, "k", "r2", Some("r1"), at + 2).await,
+        "r2",
+        "taken over"
+    );
+    let taken = s.backend().idempotent_request("k").await.expect("read");
+    assert_eq!(
+        taken.map(|t| (t.request_id, t.created_at)),
+        Some(("r2".to_owned(), at + 2))
+    );
+    assert_eq!(
+        claim_over(&s.store, "k", "r3", Some("r1"), at + 3).await,
+        "r2",
+        "once"
+    );
+
+    s.store
+        .write(true, move |tx| tx.key_created("k", "r2"))
+        .await
+        .expect("created");
+    assert_eq!(
+        claim_over(&s.store, "k", "r4", Some("r2"), at + 4).await,
+        "r2",
+        "not once its request created a record"
+    );
+
+    assert_eq!(claim(&s.store, "a", "r5", at).await, "r5");
+    let answer = (201, "application/json", "{}");
+    s.store
+        .write(true, move |tx| tx.answer_key("a", "r5", answer))
+        .await
+        .expect("answer");
+    assert_eq!(
+        claim_over(&s.store, "a", "r6", Some("r5"), at + 5).await,
+        "r5",
+        "nor once it was answered"
+    );
+    s.close().await;
 }
 
 stores!(idempotency_keys_are_held_answered_forgotten_and_pruned);

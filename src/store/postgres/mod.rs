@@ -114,6 +114,7 @@ impl Db for Postgres {
     // transaction of its own under that lock cost the writer a second
     // batch per keyed request.
     const KEYS_SETTLED_ALONE: bool = true;
+    const SHARED: bool = true;
 }
 
 impl Exec for PgConnection {
@@ -185,9 +186,12 @@ impl SqlStore<Postgres> {
         listener: Arc<dyn CommitListener>,
     ) -> Result<Self> {
         let timeout_ms = settings.timeout.as_millis();
+        let notifier = notify::Notifier::new();
+        // Every session of this run says which run it is: another host then
+        // knows whether the run answering a keyed request is still alive.
         let opts = PgConnectOptions::from_str(url)
             .map_err(|e| StoreError::Unavailable(format!("the database URL is not valid: {e}")))?
-            .application_name("holdfast")
+            .application_name(&super::rows::run_application_name(notifier.instance()))
             .options([
                 ("lock_timeout", format!("{timeout_ms}ms")),
                 // A host frozen inside a transaction holds the fleet's write
@@ -216,13 +220,12 @@ impl SqlStore<Postgres> {
             .after_connect(|conn, _| pipeline::install(conn))
             .max_connections(settings.max_connections.max(2))
             .acquire_timeout(settings.timeout)
-            .connect_with(opts)
+            .connect_with(opts.clone())
             .await
             .map_err(unreachable)?;
-        let notifier = notify::Notifier::new();
         let learned = Arc::new(learned::Learned::default());
         notifier.spawn_listener(
-            url.to_owned(),
+            opts.clone(),
             pool.clone(),
             listener.clone(),
             learned.clone(),
@@ -231,6 +234,7 @@ impl SqlStore<Postgres> {
             pool.clone(),
             notifier.instance().to_owned(),
         )));
+        let run_id = notifier.instance().to_owned();
         let writer = writer::start(
             pool.clone(),
             listener,
@@ -239,7 +243,7 @@ impl SqlStore<Postgres> {
             learned.clone(),
         );
         tracing::info!(database = %place, "using PostgreSQL");
-        let store = SqlStore::new(pool.clone(), writer);
+        let store = SqlStore::new(pool.clone(), writer, run_id);
         let renewals = renewals::Renewals::new(
             pool,
             super::Backend::write_counters(&store),
@@ -289,7 +293,7 @@ mod tests {
             .connect(&url)
             .await
             .expect("pool");
-        let store = SqlStore::new(pool.clone(), Arc::new(NoWrites));
+        let store = SqlStore::new(pool.clone(), Arc::new(NoWrites), "test".into());
         let mut conn = pool.acquire().await.expect("connection");
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
             .fetch_one(&mut *conn)

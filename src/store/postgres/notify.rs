@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 
 use super::learned::{Hint, Learned};
 use super::map_err;
@@ -194,14 +194,14 @@ impl Notifier {
     }
 
     /// Listen for other hosts' commits until the pool closes, on a
-    /// connection of its own (`url`), so that it never takes one of the
-    /// pool's. After every (re)connection, notifications may have been
+    /// connection of its own (made with `opts`), so that it never takes one
+    /// of the pool's. After every (re)connection, notifications may have been
     /// missed: the listener is told the newest seq and to wake every
     /// waiter, who then re-check. What the commits left (their hints) goes
     /// to `learned`.
     pub fn spawn_listener(
         &self,
-        url: String,
+        opts: PgConnectOptions,
         pool: PgPool,
         listener: Arc<dyn CommitListener>,
         learned: Arc<Learned>,
@@ -209,7 +209,7 @@ impl Notifier {
         let me = self.instance.clone();
         tokio::spawn(async move {
             while !pool.is_closed() {
-                if let Err(e) = listen(&url, &pool, &me, listener.as_ref(), &learned).await {
+                if let Err(e) = listen(&opts, &pool, &me, listener.as_ref(), &learned).await {
                     if pool.is_closed() {
                         return;
                     }
@@ -236,13 +236,23 @@ async fn resync(pool: &PgPool, listener: &dyn CommitListener) -> Result<()> {
 const PING_EVERY: Duration = Duration::from_secs(10);
 
 async fn listen(
-    url: &str,
+    opts: &PgConnectOptions,
     pool: &PgPool,
     me: &str,
     listener: &dyn CommitListener,
     learned: &Learned,
 ) -> Result<()> {
-    let mut l = PgListener::connect(url).await.map_err(map_err)?;
+    // As `PgListener::connect` does, with this run's options: a pool of
+    // one, which the listener reconnects through.
+    let one = PgPoolOptions::new()
+        .max_connections(1)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .connect_with(opts.clone())
+        .await
+        .map_err(map_err)?;
+    let mut l = PgListener::connect_with(&one).await.map_err(map_err)?;
+    l.ignore_pool_close_event(true);
     l.listen(CHANNEL).await.map_err(map_err)?;
     resync(pool, listener).await?;
     loop {

@@ -5,41 +5,104 @@ use super::super::db::{Cols, Exec, Stmt};
 use crate::model::IdempotentRequest;
 use crate::time::Millis;
 
-/// Record `key` for the request `request_id`, unless a request recorded it
-/// first (since `stale`; an older record is replaced): the request id that
-/// holds the key now. One statement, whose update on conflict keeps a live
-/// record as it is, so that the row comes back either way; on PostgreSQL it
-/// also waits for a concurrent holder's transaction to end.
-pub async fn claim_key<E: Exec + ?Sized>(
-    c: &mut E,
-    key: &str,
-    request: &str,
-    request_id: &str,
-    at: Millis,
-    stale: Millis,
-) -> Result<String> {
-    let s = Stmt::new(
-        "INSERT INTO idempotency (key, request, request_id, created_at) VALUES ($1, $2, $3, $4) \
-         ON CONFLICT (key) DO UPDATE SET \
-         request = CASE WHEN idempotency.created_at < $5 THEN excluded.request ELSE idempotency.request END, \
-         request_id = CASE WHEN idempotency.created_at < $5 THEN excluded.request_id ELSE idempotency.request_id END, \
-         status = CASE WHEN idempotency.created_at < $5 THEN NULL ELSE idempotency.status END, \
-         content_type = CASE WHEN idempotency.created_at < $5 THEN NULL ELSE idempotency.content_type END, \
-         body = CASE WHEN idempotency.created_at < $5 THEN NULL ELSE idempotency.body END, \
-         created_at = CASE WHEN idempotency.created_at < $5 THEN excluded.created_at ELSE idempotency.created_at END \
+/// What a request records under its key in each of its transactions.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyClaim<'a> {
+    pub key: &'a str,
+    /// Method, path and body.
+    pub request: &'a str,
+    pub request_id: &'a str,
+    /// The server run answering it.
+    pub run_id: &'a str,
+    /// The request, still in progress in a run that has ended, whose key
+    /// this one may take over (see `crate::idempotency`).
+    pub supersedes: Option<&'a str>,
+    pub at: Millis,
+    /// A record made before this is replaced.
+    pub stale: Millis,
+}
+
+/// When a claim replaces the row it meets: the row is stale, or it is the
+/// one the claim supersedes and nothing was created under it since.
+macro_rules! replaces {
+    () => {
+        "(idempotency.created_at < $5 OR (idempotency.request_id = $7 \
+         AND idempotency.status IS NULL AND idempotency.run_id IS NOT NULL))"
+    };
+}
+
+/// Record `claim.key` for its request, unless another request recorded it
+/// first (see `replaces!`): the request id that holds the key now. One
+/// statement, whose update on conflict keeps a live record as it is, so
+/// that the row comes back either way; on PostgreSQL it also waits for a
+/// concurrent holder's transaction to end.
+pub async fn claim_key<E: Exec + ?Sized>(c: &mut E, claim: &KeyClaim<'_>) -> Result<String> {
+    const SQL: &str = concat!(
+        "INSERT INTO idempotency (key, request, request_id, created_at, run_id) \
+         VALUES ($1, $2, $3, $4, $6) ON CONFLICT (key) DO UPDATE SET ",
+        "request = CASE WHEN ",
+        replaces!(),
+        " THEN excluded.request ELSE idempotency.request END, ",
+        "request_id = CASE WHEN ",
+        replaces!(),
+        " THEN excluded.request_id ELSE idempotency.request_id END, ",
+        "status = CASE WHEN ",
+        replaces!(),
+        " THEN NULL ELSE idempotency.status END, ",
+        "content_type = CASE WHEN ",
+        replaces!(),
+        " THEN NULL ELSE idempotency.content_type END, ",
+        "body = CASE WHEN ",
+        replaces!(),
+        " THEN NULL ELSE idempotency.body END, ",
+        "run_id = CASE WHEN ",
+        replaces!(),
+        " THEN excluded.run_id ELSE idempotency.run_id END, ",
+        "created_at = CASE WHEN ",
+        replaces!(),
+        " THEN excluded.created_at ELSE idempotency.created_at END \
          RETURNING request_id",
-    )
-    .text(key)
-    .text(request)
-    .text(request_id)
-    .int(at)
-    .int(stale);
+    );
+    let s = Stmt::new(SQL)
+        .text(claim.key)
+        .text(claim.request)
+        .text(claim.request_id)
+        .int(claim.at)
+        .int(claim.stale)
+        .text(claim.run_id)
+        .opt_text(claim.supersedes);
     let rows = c.fetch(s).await?;
     match rows.first() {
         Some(r) => r.text(0),
         None => Err(super::super::StoreError::Other(
             "recording an idempotency key returned nothing".into(),
         )),
+    }
+}
+
+/// The request `request_id` that holds `key` created a record: a retry
+/// must not create it again, even once this run has ended.
+pub async fn key_created<E: Exec + ?Sized>(c: &mut E, key: &str, request_id: &str) -> Result<()> {
+    let s = Stmt::new("UPDATE idempotency SET run_id = NULL WHERE key = $1 AND request_id = $2")
+        .text(key)
+        .text(request_id);
+    c.execute(s).await
+}
+
+/// The name a server run's connections to PostgreSQL carry, by which
+/// `run_connected` knows it is alive.
+pub fn run_application_name(run_id: &str) -> String {
+    format!("holdfast {run_id}")
+}
+
+/// Whether a server of the run `run_id` is connected to this database
+/// (PostgreSQL only: a killed server's sessions end with its sockets).
+pub async fn run_connected<E: Exec + ?Sized>(c: &mut E, run_id: &str) -> Result<bool> {
+    let s = Stmt::new("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = $1)")
+        .owned(Some(run_application_name(run_id)));
+    match c.fetch(s).await?.first() {
+        Some(r) => r.flag(0),
+        None => Ok(false),
     }
 }
 
@@ -81,7 +144,7 @@ pub async fn idempotent_request<E: Exec + ?Sized>(
     key: &str,
 ) -> Result<Option<IdempotentRequest>> {
     let s = Stmt::new(
-        "SELECT request, request_id, status, content_type, body, created_at \
+        "SELECT request, request_id, status, content_type, body, created_at, run_id \
          FROM idempotency WHERE key = $1",
     )
     .text(key);
@@ -95,5 +158,6 @@ pub async fn idempotent_request<E: Exec + ?Sized>(
         content_type: r.opt_text(3)?,
         body: r.opt_text(4)?,
         created_at: r.int(5)?,
+        run_id: r.opt_text(6)?,
     }))
 }

@@ -71,6 +71,8 @@ impl Db for Sqlite {
     const RELAXED_RENEWALS: bool = true;
     // Its one writer's group commit is the cheapest way to the disk.
     const KEYS_SETTLED_ALONE: bool = false;
+    // One server per file: the writer keeps the rows in memory.
+    const SHARED: bool = false;
 }
 
 /// Run `s` now; the rows it changed.
@@ -166,7 +168,11 @@ impl SqlStore<Sqlite> {
             .min_connections(0)
             .acquire_timeout(BUSY_TIMEOUT)
             .connect_lazy_with(options(path).read_only(true));
-        Ok(SqlStore::new(reads, writer::start(writer, listener)))
+        Ok(SqlStore::new(
+            reads,
+            writer::start(writer, listener),
+            uuid::Uuid::now_v7().to_string(),
+        ))
     }
 }
 

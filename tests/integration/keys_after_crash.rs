@@ -1,0 +1,226 @@
+//! A keyed request whose server was killed before it answered: the
+//! client's retry with the same key is done afresh, not refused as
+//! `request_in_progress` for a day, unless the first request created a
+//! record (a lease, a process, a port reservation) that a second run would
+//! create again; and it waits for the run answering it while that lives.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::idempotency::{REFUSE_ANSWERS, replayed};
+use crate::stores::{Store, current, database_for, run, share_database, stores};
+use crate::support::Server;
+
+/// POST `body` to `path` of `s` with `key` from a task of its own, which
+/// is left to fail when the server dies.
+fn post_in_background(s: &Server, path: &str, key: &'static str, body: &Value) {
+    let (client, url, body) = (s.client.clone(), s.url(path), body.clone());
+    tokio::spawn(async move {
+        let _ = client
+            .post(url)
+            .header("idempotency-key", key)
+            .json(&body)
+            .send()
+            .await;
+    });
+}
+
+async fn waiters(s: &Server, n: u64) {
+    s.eventually("/metrics", Duration::from_secs(10), |m| {
+        m.as_str()
+            .is_some_and(|t| t.contains(&format!("holdfast_lease_waiters {n}")))
+    })
+    .await;
+}
+
+/// On PostgreSQL, wait until no session of the run that recorded `key` is
+/// left (a killed server's sessions end as the database sees its sockets
+/// close); on SQLite a run ends with its process.
+async fn run_of_key_gone(dir: &std::path::Path, key: &str) {
+    use sqlx::Connection;
+    if current() != Store::Postgres {
+        return;
+    }
+    let url = database_for(dir).await;
+    let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = \
+             'holdfast ' || (SELECT run_id FROM idempotency WHERE key = $1)",
+        )
+        .bind(key)
+        .fetch_one(&mut db)
+        .await
+        .expect("sessions");
+        if left == 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the killed server's sessions are still open after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+stores!(
+    a_retry_after_the_server_died_mid_wait_is_done_once_afresh,
+    "multi_thread"
+);
+async fn a_retry_after_the_server_died_mid_wait_is_done_once_afresh() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_in(dir.path(), &[]).await;
+    let held = s.acquire_ok("crash/w", "first").await;
+    let body = json!({"resource": "crash/w", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
+    post_in_background(&s, "/v1/leases", "w-1", &body);
+    waiters(&s, 1).await;
+    s.kill9().await;
+    run_of_key_gone(dir.path(), "w-1").await;
+
+    let s = Server::start_in(dir.path(), &[]).await;
+    let id = held["id"].as_str().expect("id");
+    let released = s.lease_op(id, "release", json!({"token": 1})).await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+    // Retries racing on the key of the dead run: one takes it over.
+    let tries: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, url, body) = (s.client.clone(), s.url("/v1/leases"), body.clone());
+            tokio::spawn(async move {
+                let r = client
+                    .post(url)
+                    .header("idempotency-key", "w-1")
+                    .json(&body)
+                    .send()
+                    .await
+                    .expect("POST");
+                (r.status(), r.json::<Value>().await.expect("json"))
+            })
+        })
+        .collect();
+    let mut granted = Vec::new();
+    for t in tries {
+        let (status, answer) = t.await.expect("join");
+        match status {
+            StatusCode::CREATED => granted.push(answer),
+            StatusCode::CONFLICT => {
+                assert_eq!(answer["code"], "request_in_progress", "{answer}");
+            }
+            other => panic!("{other}: {answer}"),
+        }
+    }
+    // Those after the first's answer are given it again.
+    assert!(!granted.is_empty());
+    assert!(granted.iter().all(|g| g == &granted[0]), "{granted:?}");
+    assert_eq!(granted[0]["holder"], "next");
+    assert_eq!(granted[0]["token"], 2);
+    let acquired = s
+        .all_events()
+        .await
+        .iter()
+        .filter(|e| e["type"] == "lease.acquired")
+        .count();
+    assert_eq!(acquired, 2, "the first holder's, and one retry's");
+
+    let again = s.post_keyed("/v1/leases", "w-1", body).await;
+    assert_eq!(
+        (again.status, &again.body),
+        (StatusCode::CREATED, &granted[0])
+    );
+    assert!(replayed(&again));
+}
+
+/// The server dies after a keyed acquire and a keyed renewal made their
+/// changes, before their answers were kept: the acquire's retry is refused
+/// (it would create a second lease), the renewal's is done again.
+#[tokio::test]
+async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_again() {
+    run(Store::Postgres, async {
+        use sqlx::Connection;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = Server::start_in(dir.path(), &[]).await;
+        let renewed = s.acquire_ok("crash/renewed", "h").await;
+        let url = database_for(dir.path()).await;
+        let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
+        sqlx::raw_sql(REFUSE_ANSWERS)
+            .execute(&mut db)
+            .await
+            .expect("trigger");
+
+        let acquire = json!({"resource": "crash/created", "holder": "h", "ttl_ms": 60000});
+        let first = s.post_keyed("/v1/leases", "c-1", acquire.clone()).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+        let renew_path = format!("/v1/leases/{}/renew", renewed["id"].as_str().expect("id"));
+        let renew = json!({"token": 1, "ttl_ms": 60000});
+        let first_renewal = s.post_keyed(&renew_path, "r-1", renew.clone()).await;
+        assert_eq!(
+            first_renewal.status,
+            StatusCode::OK,
+            "{}",
+            first_renewal.body
+        );
+        s.kill9().await;
+        run_of_key_gone(dir.path(), "r-1").await;
+
+        let s = Server::start_in(dir.path(), &[]).await;
+        let retried = s.post_keyed("/v1/leases", "c-1", acquire).await;
+        assert_eq!(
+            (retried.status, retried.code()),
+            (StatusCode::CONFLICT, "request_in_progress"),
+            "{}",
+            retried.body
+        );
+        let leases = s.get("/v1/leases?resource=crash/created&state=all").await;
+        assert_eq!(leases.body["items"].as_array().map(Vec::len), Some(1));
+
+        let renewed_again = s.post_keyed(&renew_path, "r-1", renew).await;
+        assert_eq!(
+            renewed_again.status,
+            StatusCode::OK,
+            "{}",
+            renewed_again.body
+        );
+        assert!(!replayed(&renewed_again), "done afresh");
+        assert_eq!(renewed_again.body["token"], 1);
+    })
+    .await
+}
+
+/// On a fleet, a retry sent to another host is `request_in_progress` while
+/// the host answering the first request lives, and done once it is gone.
+#[tokio::test]
+async fn a_retry_on_another_host_waits_for_the_first_host_to_go() {
+    run(Store::Postgres, async {
+        let dirs = [
+            tempfile::tempdir().expect("tempdir"),
+            tempfile::tempdir().expect("tempdir"),
+        ];
+        let a = Server::start_in(dirs[0].path(), &["--host-id", "host-a"]).await;
+        share_database(dirs[0].path(), dirs[1].path());
+        let b = Server::start_in(dirs[1].path(), &["--host-id", "host-b"]).await;
+        let held = a.acquire_ok("crash/fleet", "first").await;
+        let body =
+            json!({"resource": "crash/fleet", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
+        post_in_background(&a, "/v1/leases", "f-1", &body);
+        waiters(&a, 1).await;
+
+        let during = b.post_keyed("/v1/leases", "f-1", body.clone()).await;
+        assert_eq!(
+            (during.status, during.code()),
+            (StatusCode::CONFLICT, "request_in_progress"),
+            "{}",
+            during.body
+        );
+        a.kill9().await;
+        run_of_key_gone(dirs[0].path(), "f-1").await;
+        let id = held["id"].as_str().expect("id");
+        let released = b.lease_op(id, "release", json!({"token": 1})).await;
+        assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+        let after = b.post_keyed("/v1/leases", "f-1", body).await;
+        assert_eq!(after.status, StatusCode::CREATED, "{}", after.body);
+        assert_eq!(after.body["holder"], "next");
+    })
+    .await
+}
