@@ -81,6 +81,19 @@ impl EventLog {
         Ok(())
     }
 
+    /// As `check_not_pruned`, reporting the oldest seq kept as the store
+    /// says now: this host's memory of it may be behind (another host of a
+    /// fleet pruned since), and a reader told a stale one resumes from it
+    /// into another `410`.
+    pub async fn check_not_pruned_now(&self, after: i64) -> std::result::Result<(), ReadError> {
+        if self.check_not_pruned(after).is_ok() {
+            return Ok(());
+        }
+        let pruned = self.store.backend().pruned_through().await?;
+        self.hub.pruned_through.fetch_max(pruned, Ordering::SeqCst);
+        self.check_not_pruned(after)
+    }
+
     /// Events after `after`, oldest first. A gap after `after` means
     /// retention removed some, perhaps on another host of a fleet since
     /// this one last looked: then the watermark is read again and the

@@ -117,9 +117,9 @@ async fn list_events(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("text/event-stream"));
     if sse {
-        return open_stream(state, &headers, after);
+        return open_stream(state, &headers, after).await;
     }
-    state.events.check_not_pruned(after)?;
+    state.events.check_not_pruned_now(after).await?;
     // Subscribe before reading, so an event committed in between still wakes us.
     let mut newest = state.events.subscribe();
     let mut rows = state.events.read(after, limit).await?;
@@ -176,10 +176,14 @@ async fn stream_events(
 ) -> Result<Response, ApiError> {
     let after = q.after.unwrap_or(0);
     validate::in_range("after", after, 0..=i64::MAX)?;
-    open_stream(state, &headers, after)
+    open_stream(state, &headers, after).await
 }
 
-fn open_stream(state: AppState, headers: &HeaderMap, mut after: i64) -> Result<Response, ApiError> {
+async fn open_stream(
+    state: AppState,
+    headers: &HeaderMap,
+    mut after: i64,
+) -> Result<Response, ApiError> {
     // An empty Last-Event-ID is none, as for a browser's EventSource.
     if let Some(last) = headers.get("last-event-id").filter(|v| !v.is_empty()) {
         after = last
@@ -191,7 +195,7 @@ fn open_stream(state: AppState, headers: &HeaderMap, mut after: i64) -> Result<R
                 ApiError::validation("Last-Event-ID", "Last-Event-ID must be an event seq")
             })?;
     }
-    state.events.check_not_pruned(after)?;
+    state.events.check_not_pruned_now(after).await?;
     let permit = state
         .hub
         .waiting
