@@ -316,6 +316,62 @@ async fn events_pruned_by_one_host_are_410_on_the_other_not_a_silent_gap() {
     .await
 }
 
+/// A host that learnt an older watermark (from its last read) still
+/// reports the oldest seq the database keeps now: a reader it sent to a
+/// stale one would meet a second `410`.
+#[tokio::test]
+async fn a_410_names_the_oldest_seq_kept_now_not_the_one_this_host_last_saw() {
+    run(Store::Postgres, async {
+        // Host a prunes only as it starts (its first pass); b never.
+        let a_args = [
+            "--event-retention",
+            "3",
+            "--reconcile-interval-ms",
+            "3600000",
+        ];
+        let (a, b, dirs) = two_hosts_with(&a_args, &["--reconcile-interval-ms", "3600000"]).await;
+        let dir = dirs[0].path().to_owned();
+        let restart = |a: Server| {
+            let dir = dir.clone();
+            async move {
+                a.kill9().await;
+                Server::start_in(&dir, &[&["--host-id", "host-a"], &a_args[..]].concat()).await
+            }
+        };
+        for i in 0..4 {
+            a.acquire_ok(&format!("fleet/stale/{i}"), "a").await;
+        }
+        let a = restart(a).await;
+        let oldest = |v: &serde_json::Value, n: i64| v["oldest_seq"] == n;
+        a.eventually("/v1/events?after=0", Duration::from_secs(10), |v| {
+            oldest(v, 2)
+        })
+        .await;
+        let r = b.get("/v1/events?after=0").await;
+        assert_eq!(
+            (r.status, r.body["oldest_seq"].as_i64()),
+            (StatusCode::GONE, Some(2))
+        );
+
+        a.acquire_ok("fleet/stale/4", "a").await;
+        let a = restart(a).await;
+        a.eventually("/v1/events?after=0", Duration::from_secs(10), |v| {
+            oldest(v, 3)
+        })
+        .await;
+        let r = b.get("/v1/events?after=0").await;
+        assert_eq!(
+            (r.status, r.body["oldest_seq"].as_i64()),
+            (StatusCode::GONE, Some(3)),
+            "{}",
+            r.body
+        );
+        let r = b.get("/v1/events?after=2").await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    })
+    .await
+}
+
 #[tokio::test]
 async fn wake_ups_across_hosts_survive_dropped_database_connections() {
     run(Store::Postgres, async {
