@@ -38,6 +38,8 @@ pub struct Claim {
     /// A transaction of this request that recorded the key may have
     /// committed, unbeknown to it: the key must not be let go.
     unsure: AtomicBool,
+    /// A transaction of this request created a record (`Tx::key_created`).
+    created: AtomicBool,
 }
 
 tokio::task_local! {
@@ -53,6 +55,7 @@ impl Claim {
             supersedes,
             recorded: AtomicBool::new(false),
             unsure: AtomicBool::new(false),
+            created: AtomicBool::new(false),
         })
     }
 
@@ -72,6 +75,19 @@ impl Claim {
 
     pub fn recorded(&self) -> bool {
         self.recorded.load(Ordering::SeqCst)
+    }
+
+    pub fn mark_created(&self) {
+        self.created.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a transaction of this request created a record (perhaps
+    /// in a run that was undone). Only then must its answer reach stable
+    /// storage before it is given: a lost answer of a request that created
+    /// nothing lets a retry do it afresh, which is safe, while a lost
+    /// answer of one that created a record leaves its key held for a day.
+    pub fn created(&self) -> bool {
+        self.created.load(Ordering::SeqCst)
     }
 
     /// Called when a transaction that recorded the key ended with

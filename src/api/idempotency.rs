@@ -150,6 +150,7 @@ async fn keep(state: &AppState, claim: &Arc<Claim>, res: Response) -> Response {
             claim.key.clone(),
             claim.request_id.clone(),
             answer,
+            claim.created(),
         )
     };
     let (parts, body) = res.into_parts();

@@ -49,15 +49,17 @@ impl Unkept {
     }
 
     /// Keep `answer` under `key` (with `answer` None: let the key go),
-    /// for the request `answer.request_id` / `request_id`.
+    /// for the request `answer.request_id` / `request_id`; on stable
+    /// storage before it returns if `durable` (see `Claim::created`).
     pub async fn settle(
         self: &Arc<Self>,
         store: &Store,
         key: String,
         request_id: String,
         answer: Option<IdempotentRequest>,
+        durable: bool,
     ) {
-        let first = write(store, &key, &request_id, answer.as_ref()).await;
+        let first = write(store, &key, &request_id, answer.as_ref(), durable).await;
         let Err(e) = first else { return };
         if !retryable(&e) || *self.trying.borrow() >= MOST_TRYING {
             tracing::warn!(%key, error = %e, "cannot settle an idempotency key");
@@ -74,7 +76,7 @@ impl Unkept {
             let mut pause = FIRST_PAUSE;
             let outcome = loop {
                 tokio::time::sleep(pause).await;
-                match write(&store, &key, &request_id, answer.as_ref()).await {
+                match write(&store, &key, &request_id, answer.as_ref(), durable).await {
                     Err(e) if retryable(&e) && tokio::time::Instant::now() < deadline => {
                         pause = (pause * 2).min(LONGEST_PAUSE);
                     }
@@ -111,6 +113,7 @@ async fn write(
     key: &str,
     request_id: &str,
     answer: Option<&IdempotentRequest>,
+    durable: bool,
 ) -> Result<(), StoreError> {
     let answer = answer.map(|a| {
         (
@@ -122,12 +125,16 @@ async fn write(
     let alone = answer
         .as_ref()
         .map(|(s, t, b)| (*s, t.as_str(), b.as_str()));
-    if store.backend().settle_key(key, request_id, alone).await? {
+    if store
+        .backend()
+        .settle_key(key, request_id, alone, durable)
+        .await?
+    {
         return Ok(());
     }
     let (key, id) = (key.to_owned(), request_id.to_owned());
     store
-        .write(true, move |tx| {
+        .write(durable, move |tx| {
             Box::pin(async move {
                 match answer {
                     Some((status, content_type, body)) => {

@@ -256,14 +256,16 @@ pub trait Backend: Send + Sync + 'static {
     /// Which store this is, as `/readyz` names it: `sqlite` or `postgres`.
     fn kind(&self) -> &'static str;
     /// Keep the answer of the request `request_id` under `key` (with None:
-    /// let the key go, if that request still holds it) in one durable
-    /// statement of its own, where the store can: true then; false when the
-    /// caller is to write it in a transaction.
+    /// let the key go, if that request still holds it) in one statement of
+    /// its own, where the store can: true then; false when the caller is
+    /// to write it in a transaction. `durable`: kept on stable storage
+    /// before it returns (else only safe from a crash of this server).
     fn settle_key<'a>(
         &'a self,
         key: &'a str,
         request_id: &'a str,
         answer: Option<(u16, &'a str, &'a str)>,
+        durable: bool,
     ) -> BoxFuture<'a, Result<bool>>;
     /// This server run's id, new at every start, recorded with the keys of
     /// the requests it answers (`crate::idempotency`).
@@ -328,6 +330,7 @@ impl Store {
                     let out = f(tx).await?;
                     if tx.created() {
                         tx.key_created(&c.key, &c.request_id).await?;
+                        c.mark_created();
                     }
                     Ok(Box::new(out) as JobOutput)
                 })

@@ -219,6 +219,7 @@ impl<D: Db> Backend for SqlStore<D> {
         key: &'a str,
         request_id: &'a str,
         answer: Option<(u16, &'a str, &'a str)>,
+        durable: bool,
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
             if !D::KEYS_SETTLED_ALONE {
@@ -228,11 +229,8 @@ impl<D: Db> Backend for SqlStore<D> {
             let c = &mut *conn;
             let counters = self.writes.counters();
             counters.round_trips.inc();
-            match answer {
-                Some(a) => rows::answer_key(c, key, request_id, a).await?,
-                None => rows::forget_key(c, key, request_id).await?,
-            }
-            counters.ran(true, 1);
+            rows::settle_key(c, key, request_id, answer, durable).await?;
+            counters.ran(durable, 1);
             Ok(true)
         })
     }

@@ -237,6 +237,39 @@ async fn a_spawn_retried_with_its_key_starts_one_process() {
     );
 }
 
+stores!(only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk);
+/// docs/durability.md: a lost answer of a request that created nothing
+/// lets its retry be done afresh, so it is committed without an fsync.
+async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let before = s.durable_transactions().await;
+    let body = json!({"resource": "idem/sync", "holder": "h", "ttl_ms": 60000});
+    let acquired = s.post_keyed("/v1/leases", "s-1", body).await;
+    assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.body);
+    assert_eq!(
+        s.durable_transactions().await - before,
+        2,
+        "the acquire and its answer"
+    );
+    let before = s.durable_transactions().await;
+    let path = format!(
+        "/v1/leases/{}/renew",
+        acquired.body["id"].as_str().expect("id")
+    );
+    let renewed = s.post_keyed(&path, "s-2", json!({"token": 1})).await;
+    assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.body);
+    // PostgreSQL writes every renewal before it answers it (docs/fleet.md).
+    let renewal = u64::from(crate::stores::current() == crate::stores::Store::Postgres);
+    assert_eq!(
+        s.durable_transactions().await - before,
+        renewal,
+        "not the renewal's answer"
+    );
+    let again = s.post_keyed(&path, "s-2", json!({"token": 1})).await;
+    assert_eq!((again.status, &again.body), (StatusCode::OK, &renewed.body));
+    assert!(replayed(&again));
+}
+
 /// A server on PostgreSQL, in its data dir, and a connection to its database.
 async fn on_postgres() -> (tempfile::TempDir, Server, sqlx::PgConnection) {
     use sqlx::Connection;
@@ -325,13 +358,14 @@ async fn a_keyed_answer_on_postgres_is_kept_without_the_fleet_lock() {
         // Each write of an answer notes whether its transaction holds a
         // lock on `event_seq`, as every write transaction of the writer does.
         sqlx::raw_sql(
-            "CREATE TABLE test_answers (status bigint, fleet_locked boolean NOT NULL);
+            "CREATE TABLE test_answers (status bigint, fleet_locked boolean NOT NULL, sync text);
              CREATE FUNCTION test_note() RETURNS trigger LANGUAGE plpgsql AS $$
              BEGIN
                  IF NEW.status IS NOT NULL THEN
                      INSERT INTO test_answers SELECT NEW.status, EXISTS (
                          SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid()
-                             AND relation = 'event_seq'::regclass);
+                             AND relation = 'event_seq'::regclass),
+                         current_setting('synchronous_commit');
                  END IF;
                  RETURN NEW;
              END $$;
@@ -345,12 +379,26 @@ async fn a_keyed_answer_on_postgres_is_kept_without_the_fleet_lock() {
         let body = json!({"resource": "idem/alone", "holder": "h", "ttl_ms": 60000});
         let first = s.post_keyed("/v1/leases", "alone-1", body.clone()).await;
         assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
-        let noted: Vec<(Option<i64>, bool)> =
-            sqlx::query_as("SELECT status, fleet_locked FROM test_answers")
-                .fetch_all(&mut db)
-                .await
-                .expect("noted");
-        assert_eq!(noted, [(Some(201), false)], "one answer, kept unlocked");
+        let path = format!(
+            "/v1/leases/{}/renew",
+            first.body["id"].as_str().expect("id")
+        );
+        let renewed = s.post_keyed(&path, "alone-2", json!({"token": 1})).await;
+        assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.body);
+        let noted: Vec<(Option<i64>, bool, String)> = sqlx::query_as(
+            "SELECT status, fleet_locked, sync FROM test_answers ORDER BY status DESC",
+        )
+        .fetch_all(&mut db)
+        .await
+        .expect("noted");
+        assert_eq!(
+            noted,
+            [
+                (Some(201), false, "on".into()),
+                (Some(200), false, "off".into())
+            ],
+            "each answer kept unlocked; the renewal's without waiting for the WAL's flush"
+        );
 
         let again = s.post_keyed("/v1/leases", "alone-1", body).await;
         assert_eq!(

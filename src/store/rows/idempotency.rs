@@ -106,6 +106,16 @@ pub async fn run_connected<E: Exec + ?Sized>(c: &mut E, run_id: &str) -> Result<
     }
 }
 
+/// What keeping an answer without waiting for the disk adds to its
+/// statement, on PostgreSQL: `synchronous_commit` off for the statement's
+/// own transaction (autocommit), whose commit then returns before the WAL
+/// is flushed. It survives a crash of this server, not of the database.
+macro_rules! relaxed {
+    () => {
+        "(SELECT set_config('synchronous_commit', 'off', true)) AS relaxed"
+    };
+}
+
 /// The answer of the request that holds `key`.
 pub async fn answer_key<E: Exec + ?Sized>(
     c: &mut E,
@@ -113,16 +123,31 @@ pub async fn answer_key<E: Exec + ?Sized>(
     request_id: &str,
     answer: (u16, &str, &str),
 ) -> Result<()> {
-    let (status, content_type, body) = answer;
-    let s = Stmt::new(
+    answer_with(
+        c,
         "UPDATE idempotency SET status = $3, content_type = $4, body = $5 \
          WHERE key = $1 AND request_id = $2",
+        key,
+        request_id,
+        answer,
     )
-    .text(key)
-    .text(request_id)
-    .int(i64::from(status))
-    .text(content_type)
-    .text(body);
+    .await
+}
+
+async fn answer_with<E: Exec + ?Sized>(
+    c: &mut E,
+    sql: &str,
+    key: &str,
+    request_id: &str,
+    answer: (u16, &str, &str),
+) -> Result<()> {
+    let (status, content_type, body) = answer;
+    let s = Stmt::new(sql)
+        .text(key)
+        .text(request_id)
+        .int(i64::from(status))
+        .text(content_type)
+        .text(body);
     c.execute(s).await
 }
 
@@ -132,6 +157,37 @@ pub async fn forget_key<E: Exec + ?Sized>(c: &mut E, key: &str, request_id: &str
         .text(key)
         .text(request_id);
     c.execute(s).await
+}
+
+/// Keep `answer` for the request `request_id` that holds `key` (None: let
+/// the key go) in a statement of its own; not `durable`: see `relaxed!`
+/// (PostgreSQL only).
+pub async fn settle_key<E: Exec + ?Sized>(
+    c: &mut E,
+    key: &str,
+    request_id: &str,
+    answer: Option<(u16, &str, &str)>,
+    durable: bool,
+) -> Result<()> {
+    const ANSWER_RELAXED: &str = concat!(
+        "UPDATE idempotency SET status = $3, content_type = $4, body = $5 FROM ",
+        relaxed!(),
+        " WHERE key = $1 AND request_id = $2"
+    );
+    const FORGET_RELAXED: &str = concat!(
+        "DELETE FROM idempotency USING ",
+        relaxed!(),
+        " WHERE key = $1 AND request_id = $2"
+    );
+    match (answer, durable) {
+        (Some(a), true) => answer_key(c, key, request_id, a).await,
+        (None, true) => forget_key(c, key, request_id).await,
+        (Some(a), false) => answer_with(c, ANSWER_RELAXED, key, request_id, a).await,
+        (None, false) => {
+            let s = Stmt::new(FORGET_RELAXED).text(key).text(request_id);
+            c.execute(s).await
+        }
+    }
 }
 
 pub async fn prune_keys<E: Exec + ?Sized>(c: &mut E, before: Millis) -> Result<()> {
