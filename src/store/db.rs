@@ -129,6 +129,28 @@ pub trait Exec: Send {
         let _ = checks;
     }
 
+    /// Record a request's key (`rows::claim_key`): the id of the request
+    /// that holds it. PostgreSQL's writer queues it with its writes
+    /// instead, and answers this request's id: the claim then runs inside
+    /// the commit, and one that finds the key held fails the transaction
+    /// as `StoreError::Stale`, so that its jobs run again on fresh reads,
+    /// which claim at once.
+    fn claim_key<'a>(
+        &'a mut self,
+        claim: &'a super::KeyClaim<'a>,
+    ) -> BoxFuture<'a, Result<String>> {
+        Box::pin(super::rows::claim_key(self, claim))
+    }
+
+    /// `rows::key_created`, or the same change to a queued claim.
+    fn key_created<'a>(
+        &'a mut self,
+        key: &'a str,
+        request_id: &'a str,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(super::rows::key_created(self, key, request_id))
+    }
+
     /// As `execute`, or `execute_one` with `what`, for a write of kind
     /// `hot`, which PostgreSQL's writer sends grouped with others of its
     /// kind, and SQLite's may narrow (`Hot::LeaseRenewal`).

@@ -152,7 +152,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     }
 
     fn claim_key<'a>(&'a mut self, claim: &'a KeyClaim<'a>) -> BoxFuture<'a, Result<String>> {
-        Box::pin(rows::claim_key(self.conn, claim))
+        self.conn.claim_key(claim)
     }
 
     fn key_created<'a>(
@@ -160,7 +160,7 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         key: &'a str,
         request_id: &'a str,
     ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::key_created(self.conn, key, request_id))
+        self.conn.key_created(key, request_id)
     }
 
     fn created(&self) -> bool {

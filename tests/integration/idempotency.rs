@@ -270,6 +270,35 @@ async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_d
     assert!(replayed(&again));
 }
 
+/// On PostgreSQL a key's claim goes with the transaction's other writes,
+/// checked inside its commit: a keyed acquire costs the writer the round
+/// trips of a plain one, and one more for its answer.
+#[tokio::test]
+async fn a_keyed_acquire_on_postgres_costs_one_round_trip_more_than_a_plain_one() {
+    use crate::stores::{Store, run};
+    use crate::support::metric;
+    run(Store::Postgres, async {
+        let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+        let trips = || async {
+            let m = s.get("/metrics").await;
+            metric(&m.body, "holdfast_store_round_trips_total").expect("round trips")
+        };
+        let body = |r: &str| json!({"resource": r, "holder": "h", "ttl_ms": 60000});
+        // The first write of a connection reads what the cache lacks.
+        s.acquire_ok("idem/rt/warm", "h").await;
+        let before = trips().await;
+        s.acquire_ok("idem/rt/plain", "h").await;
+        let plain = trips().await - before;
+        let before = trips().await;
+        let keyed = s
+            .post_keyed("/v1/leases", "rt-1", body("idem/rt/keyed"))
+            .await;
+        assert_eq!(keyed.status, StatusCode::CREATED, "{}", keyed.body);
+        assert_eq!(trips().await - before, plain + 1, "plain: {plain}");
+    })
+    .await
+}
+
 /// A server on PostgreSQL, in its data dir, and a connection to its database.
 async fn on_postgres() -> (tempfile::TempDir, Server, sqlx::PgConnection) {
     use sqlx::Connection;

@@ -53,7 +53,7 @@ const FUNCTION: &str = concat!(
     "CREATE OR REPLACE FUNCTION pg_temp.holdfast_write(
         checks jsonb, locking boolean, lease_updates jsonb, lease_inserts jsonb, new_events jsonb,
         tokens jsonb, seq_from bigint, channel text, notices jsonb,
-        marker_key text, marker text) RETURNS bigint LANGUAGE plpgsql AS $fn$
+        marker_key text, marker text, claims jsonb) RETURNS bigint LANGUAGE plpgsql AS $fn$
     DECLARE
         u jsonb;
         changed bigint;
@@ -95,6 +95,16 @@ const FUNCTION: &str = concat!(
                     WHERE NOT EXISTS (SELECT 1 FROM ports p WHERE p.id = held.id
                         AND p.owner_id = u->>1 AND p.released_at IS NULL)) THEN
                 RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'reservations changed';
+            END IF;
+        END LOOP;
+        FOR u IN SELECT value FROM jsonb_array_elements(claims) LOOP
+            IF pg_temp.holdfast_claim(u->>0, u->>1, u->>2, (u->>3)::bigint, (u->>4)::bigint,
+                    u->>5, u->>6) IS DISTINCT FROM u->>2 THEN
+                RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'idempotency key held';
+            END IF;
+            -- Its request created a record (`rows::key_created`).
+            IF u->>5 IS NULL THEN
+                UPDATE idempotency SET run_id = NULL WHERE key = u->>0 AND request_id = u->>2;
             END IF;
         END LOOP;
         -- One by id each: a join with the array would be planned for a
@@ -149,6 +159,15 @@ const FUNCTION: &str = concat!(
     $fn$"
 );
 
+/// `rows::claim_key`'s statement as a function, which `FUNCTION` calls for
+/// the claims queued with the writes (`Pipeline::claims`).
+const CLAIM_FUNCTION: &str = concat!(
+    "CREATE OR REPLACE FUNCTION pg_temp.holdfast_claim(text, text, text, bigint, bigint, \
+     text, text) RETURNS text LANGUAGE sql AS $fn$ ",
+    crate::store::rows::claim_sql!(),
+    " $fn$"
+);
+
 /// The reads a batch may begin with, prepared on every connection under
 /// these names, to be sent with BEGIN (see `Pipeline::first`).
 const PREPARED: [(&str, &str); 2] = [
@@ -160,6 +179,7 @@ const PREPARED: [(&str, &str); 2] = [
 pub fn install(conn: &mut PgConnection) -> BoxFuture<'_, std::result::Result<(), sqlx::Error>> {
     Box::pin(async move {
         let prepare = PREPARED.map(|(name, sql)| format!("PREPARE {name} AS {sql}"));
+        sqlx::Executor::execute(&mut *conn, CLAIM_FUNCTION).await?;
         sqlx::Executor::execute(&mut *conn, FUNCTION).await?;
         sqlx::Executor::execute(conn, prepare.join("; ").as_str()).await?;
         Ok(())
@@ -271,6 +291,12 @@ pub struct Pipeline<'c> {
     /// Checks of the cache's entries not verified yet: they go with the
     /// next write, before it.
     checks: Vec<Check>,
+    /// Keys claimed by the jobs and not sent yet (`Exec::claim_key`), as
+    /// rows of `claim_sql!`'s parameters: they go with the next write.
+    claims: Vec<Value>,
+    /// Claim keys at once instead (a batch that runs again on fresh reads,
+    /// after a claim failed inside a commit).
+    pub claim_at_once: bool,
     /// Events handed out in this batch, queued ones included: their seqs
     /// are counted from 0 until the commit's function shifts them.
     seq: i64,
@@ -321,6 +347,8 @@ impl<'c> Pipeline<'c> {
             lost: false,
             queue: Queue::default(),
             checks: Vec::new(),
+            claims: Vec::new(),
+            claim_at_once: false,
             seq: 0,
             sent_seq: 0,
             seen: HashMap::new(),
@@ -424,6 +452,7 @@ impl<'c> Pipeline<'c> {
     ) -> String {
         let q = std::mem::take(&mut self.queue);
         let checks = std::mem::take(&mut self.checks);
+        let claims = std::mem::take(&mut self.claims);
         let seq_from = self.sent_seq;
         self.sent_seq = self.seq;
         let text = |rows: Vec<Value>| Value::Array(rows).to_string();
@@ -440,6 +469,7 @@ impl<'c> Pipeline<'c> {
             channel.to_owned(),
             key.to_owned(),
             value.to_owned(),
+            text(claims),
         ];
         let tag = dollar_tag(&values.each_ref().map(String::as_str));
         let [
@@ -452,6 +482,7 @@ impl<'c> Pipeline<'c> {
             channel,
             key,
             value,
+            claims,
         ] = values.map(|v| format!("{tag}{v}{tag}"));
         let (key, value) = match marker {
             Some(_) => (key, value),
@@ -460,14 +491,14 @@ impl<'c> Pipeline<'c> {
         format!(
             "SELECT pg_temp.holdfast_write({checks}::jsonb, {locking}, {updates}::jsonb, {inserts}::jsonb, \
              {events}::jsonb, {tokens}::jsonb, {seq_from}, {channel}, {notices}::jsonb, \
-             {key}, {value})"
+             {key}, {value}, {claims}::jsonb)"
         )
     }
 
     /// Verify the checks and write what is queued, before a statement that
     /// may see the writes or write itself.
     async fn send_queue(&mut self) -> Result<()> {
-        if self.queue.is_empty() && self.checks.is_empty() {
+        if self.queue.is_empty() && self.checks.is_empty() && self.claims.is_empty() {
             return Ok(());
         }
         let call = self.write_call("", &[], None);
@@ -490,7 +521,7 @@ impl<'c> Pipeline<'c> {
         notices: &[Notice],
         marker: (&str, &str),
     ) -> Result<Option<i64>> {
-        let writes = !(self.queue.is_empty() && notices.is_empty());
+        let writes = !(self.queue.is_empty() && notices.is_empty() && self.claims.is_empty());
         let checked = !self.checks.is_empty();
         let sql = match (self.txid, writes) {
             (None, false) if !checked => return Ok(Some(0)),
@@ -664,6 +695,38 @@ impl Exec for Pipeline<'_> {
 
     fn locks_rows(&self) -> bool {
         true
+    }
+
+    fn claim_key<'a>(
+        &'a mut self,
+        claim: &'a crate::store::KeyClaim<'a>,
+    ) -> BoxFuture<'a, Result<String>> {
+        if self.claim_at_once {
+            return Box::pin(crate::store::rows::claim_key(self, claim));
+        }
+        self.claims
+            .push(json_row(crate::store::rows::claim_args(claim)));
+        let holder = claim.request_id.to_owned();
+        Box::pin(async move { Ok(holder) })
+    }
+
+    fn key_created<'a>(
+        &'a mut self,
+        key: &'a str,
+        request_id: &'a str,
+    ) -> BoxFuture<'a, Result<()>> {
+        let queued = self
+            .claims
+            .iter_mut()
+            .find(|c| c[0] == key && c[2] == request_id);
+        match queued {
+            // The run's column of `claim_sql!`: none, so never taken over.
+            Some(c) => {
+                c[5] = Value::Null;
+                Box::pin(async { Ok(()) })
+            }
+            None => Box::pin(crate::store::rows::key_created(self, key, request_id)),
+        }
     }
 
     fn guard(&mut self, checks: Vec<Check>) {

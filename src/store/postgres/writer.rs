@@ -483,6 +483,7 @@ impl Writer {
         // BEGIN and the fleet's lock go with the first job's first read,
         // or with the commit.
         let mut pipe = Pipeline::new(&mut line.conn);
+        pipe.claim_at_once = batch.iter().any(|j| j.fresh);
         let mut done = Vec::with_capacity(batch.len());
         let mut effects = Vec::new();
         let mut jobs = batch.into_iter();

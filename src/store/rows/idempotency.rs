@@ -30,6 +30,54 @@ macro_rules! replaces {
          AND idempotency.status IS NULL AND idempotency.run_id IS NOT NULL))"
     };
 }
+pub(crate) use replaces;
+
+/// The statement that records a key (`claim_key`), with its parameters
+/// in the order of `claim_args`. PostgreSQL's writer also runs it inside
+/// its commit (`postgres::pipeline`), as a function of the same text.
+macro_rules! claim_sql {
+    () => {
+        concat!(
+            "INSERT INTO idempotency (key, request, request_id, created_at, run_id) \
+             VALUES ($1, $2, $3, $4, $6) ON CONFLICT (key) DO UPDATE SET ",
+            "request = CASE WHEN ",
+            $crate::store::rows::replaces!(),
+            " THEN excluded.request ELSE idempotency.request END, ",
+            "request_id = CASE WHEN ",
+            $crate::store::rows::replaces!(),
+            " THEN excluded.request_id ELSE idempotency.request_id END, ",
+            "status = CASE WHEN ",
+            $crate::store::rows::replaces!(),
+            " THEN NULL ELSE idempotency.status END, ",
+            "content_type = CASE WHEN ",
+            $crate::store::rows::replaces!(),
+            " THEN NULL ELSE idempotency.content_type END, ",
+            "body = CASE WHEN ",
+            $crate::store::rows::replaces!(),
+            " THEN NULL ELSE idempotency.body END, ",
+            "run_id = CASE WHEN ",
+            $crate::store::rows::replaces!(),
+            " THEN excluded.run_id ELSE idempotency.run_id END, ",
+            "created_at = CASE WHEN ",
+            $crate::store::rows::replaces!(),
+            " THEN excluded.created_at ELSE idempotency.created_at END \
+             RETURNING request_id",
+        )
+    };
+}
+pub(crate) use claim_sql;
+
+/// `claim_sql!`'s parameters.
+pub fn claim_args<'a>(claim: &KeyClaim<'a>) -> Stmt<'a> {
+    Stmt::new(claim_sql!())
+        .text(claim.key)
+        .text(claim.request)
+        .text(claim.request_id)
+        .int(claim.at)
+        .int(claim.stale)
+        .text(claim.run_id)
+        .opt_text(claim.supersedes)
+}
 
 /// Record `claim.key` for its request, unless another request recorded it
 /// first (see `replaces!`): the request id that holds the key now. One
@@ -37,40 +85,7 @@ macro_rules! replaces {
 /// that the row comes back either way; on PostgreSQL it also waits for a
 /// concurrent holder's transaction to end.
 pub async fn claim_key<E: Exec + ?Sized>(c: &mut E, claim: &KeyClaim<'_>) -> Result<String> {
-    const SQL: &str = concat!(
-        "INSERT INTO idempotency (key, request, request_id, created_at, run_id) \
-         VALUES ($1, $2, $3, $4, $6) ON CONFLICT (key) DO UPDATE SET ",
-        "request = CASE WHEN ",
-        replaces!(),
-        " THEN excluded.request ELSE idempotency.request END, ",
-        "request_id = CASE WHEN ",
-        replaces!(),
-        " THEN excluded.request_id ELSE idempotency.request_id END, ",
-        "status = CASE WHEN ",
-        replaces!(),
-        " THEN NULL ELSE idempotency.status END, ",
-        "content_type = CASE WHEN ",
-        replaces!(),
-        " THEN NULL ELSE idempotency.content_type END, ",
-        "body = CASE WHEN ",
-        replaces!(),
-        " THEN NULL ELSE idempotency.body END, ",
-        "run_id = CASE WHEN ",
-        replaces!(),
-        " THEN excluded.run_id ELSE idempotency.run_id END, ",
-        "created_at = CASE WHEN ",
-        replaces!(),
-        " THEN excluded.created_at ELSE idempotency.created_at END \
-         RETURNING request_id",
-    );
-    let s = Stmt::new(SQL)
-        .text(claim.key)
-        .text(claim.request)
-        .text(claim.request_id)
-        .int(claim.at)
-        .int(claim.stale)
-        .text(claim.run_id)
-        .opt_text(claim.supersedes);
+    let s = claim_args(claim);
     let rows = c.fetch(s).await?;
     match rows.first() {
         Some(r) => r.text(0),
