@@ -359,10 +359,14 @@ impl Leases {
         let (waiters, offers) = (self.waiters.clone(), self.offers.clone());
         let (out, handed) = in_tx!(self, true, |tx, cx| async move {
             let out = ops::release_ending(tx, cx, &id, token).await?;
+            let created = tx.created();
             let handed = match &out {
                 Ok((lease, true)) => offers.grant_head(tx, cx, &waiters, &lease.resource).await?,
                 _ => None,
             };
+            // The lease handed over is its waiter's; this release created
+            // nothing (see `crate::idempotency`).
+            tx.set_created(created);
             Ok((out.map(|(lease, _)| lease), handed))
         })?;
         if let Some(h) = handed {

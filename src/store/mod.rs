@@ -122,8 +122,11 @@ pub trait Tx: Send {
         request_id: &'a str,
     ) -> BoxFuture<'a, Result<()>>;
     /// Whether this transaction inserted a lease, a process or a port
-    /// reservation so far.
+    /// reservation so far, for its own request.
     fn created(&self) -> bool;
+    /// Set what `created` answers: a record made for another request (a
+    /// lease handed to a waiter) is not this request's.
+    fn set_created(&mut self, created: bool);
     /// Store the answer (status, content type, body) of the request that holds `key`.
     fn answer_key<'a>(
         &'a mut self,

@@ -68,6 +68,11 @@ impl<D: Db> SqlStore<D> {
     }
 }
 
+/// How long a server run must stay without a session on a shared database
+/// before it counts as ended: a live one that lost its connections has
+/// none until it reconnects (its listener tries again after 1 s).
+const RUN_GONE_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// How many times a read is run again after its connection was found cut.
 const READ_RETRIES: u32 = 2;
 
@@ -244,7 +249,18 @@ impl<D: Db> Backend for SqlStore<D> {
             let mine = run_id == self.run_id;
             return Box::pin(async move { Ok(mine) });
         }
-        read!(self, |c| rows::run_connected(c, run_id))
+        Box::pin(async move {
+            for look in 0..2 {
+                if look > 0 {
+                    tokio::time::sleep(RUN_GONE_FOR).await;
+                }
+                let connected: Result<bool> = read!(self, |c| rows::run_connected(c, run_id)).await;
+                if connected? {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        })
     }
 
     fn relaxed_renewals(&self) -> bool {

@@ -167,6 +167,10 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         self.created
     }
 
+    fn set_created(&mut self, created: bool) {
+        self.created = created;
+    }
+
     fn answer_key<'a>(
         &'a mut self,
         key: &'a str,

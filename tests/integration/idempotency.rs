@@ -270,6 +270,35 @@ async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_d
     assert!(replayed(&again));
 }
 
+stores!(a_keyed_release_that_hands_the_lease_over_created_nothing_of_its_own);
+/// The lease a release hands to a waiter is the waiter's record: the
+/// release's answer is kept like any other that created nothing.
+async fn a_keyed_release_that_hands_the_lease_over_created_nothing_of_its_own() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let held = s.acquire_ok("idem/handoff", "first").await;
+    let (client, url) = (s.client.clone(), s.url("/v1/leases"));
+    let waiter = tokio::spawn(async move {
+        let body = json!({"resource": "idem/handoff", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
+        let r = client.post(url).json(&body).send().await.expect("POST");
+        r.status()
+    });
+    s.eventually("/metrics", Duration::from_secs(10), |m| {
+        m.as_str()
+            .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
+    })
+    .await;
+    let before = s.durable_transactions().await;
+    let path = format!("/v1/leases/{}/release", held["id"].as_str().expect("id"));
+    let released = s.post_keyed(&path, "h-1", json!({"token": 1})).await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+    assert_eq!(waiter.await.expect("join"), StatusCode::CREATED);
+    assert_eq!(
+        s.durable_transactions().await - before,
+        1,
+        "the release with its hand-off; its answer waits for no fsync"
+    );
+}
+
 /// On PostgreSQL a key's claim goes with the transaction's other writes,
 /// checked inside its commit: a keyed acquire costs the writer the round
 /// trips of a plain one, and one more for its answer.
@@ -420,13 +449,14 @@ async fn a_keyed_answer_on_postgres_is_kept_without_the_fleet_lock() {
         .fetch_all(&mut db)
         .await
         .expect("noted");
+        let kept: Vec<_> = noted
+            .iter()
+            .map(|(s, locked, sync)| (*s, *locked, sync == "off"))
+            .collect();
         assert_eq!(
-            noted,
-            [
-                (Some(201), false, "on".into()),
-                (Some(200), false, "off".into())
-            ],
-            "each answer kept unlocked; the renewal's without waiting for the WAL's flush"
+            kept,
+            [(Some(201), false, false), (Some(200), false, true)],
+            "each answer kept unlocked; the renewal's without waiting for the WAL's flush: {noted:?}"
         );
 
         let again = s.post_keyed("/v1/leases", "alone-1", body).await;

@@ -77,6 +77,13 @@ async fn a_retry_after_the_server_died_mid_wait_is_done_once_afresh() {
     let body = json!({"resource": "crash/w", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
     post_in_background(&s, "/v1/leases", "w-1", &body);
     waiters(&s, 1).await;
+    let during = s.post_keyed("/v1/leases", "w-1", body.clone()).await;
+    assert_eq!(
+        during.code(),
+        "request_in_progress",
+        "recorded: {}",
+        during.body
+    );
     s.kill9().await;
     run_of_key_gone(dir.path(), "w-1").await;
 
@@ -160,6 +167,20 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
             StatusCode::OK,
             "{}",
             first_renewal.body
+        );
+        let runs: Vec<(String, Option<String>)> =
+            sqlx::query_as("SELECT key, run_id FROM idempotency WHERE status IS NULL ORDER BY key")
+                .fetch_all(&mut db)
+                .await
+                .expect("keys");
+        let runs: Vec<(&str, bool)> = runs
+            .iter()
+            .map(|(k, r)| (k.as_str(), r.is_some()))
+            .collect();
+        assert_eq!(
+            runs,
+            [("c-1", false), ("r-1", true)],
+            "in progress, with a run or not"
         );
         s.kill9().await;
         run_of_key_gone(dir.path(), "r-1").await;

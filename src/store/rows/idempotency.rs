@@ -131,7 +131,9 @@ macro_rules! relaxed {
     };
 }
 
-/// The answer of the request that holds `key`.
+/// The answer of the request that holds `key`. An answered key has no run
+/// left: nothing takes it over, nor can a build that predates the column,
+/// replacing the row once it is stale, inherit one.
 pub async fn answer_key<E: Exec + ?Sized>(
     c: &mut E,
     key: &str,
@@ -140,7 +142,7 @@ pub async fn answer_key<E: Exec + ?Sized>(
 ) -> Result<()> {
     answer_with(
         c,
-        "UPDATE idempotency SET status = $3, content_type = $4, body = $5 \
+        "UPDATE idempotency SET status = $3, content_type = $4, body = $5, run_id = NULL \
          WHERE key = $1 AND request_id = $2",
         key,
         request_id,
@@ -185,7 +187,7 @@ pub async fn settle_key<E: Exec + ?Sized>(
     durable: bool,
 ) -> Result<()> {
     const ANSWER_RELAXED: &str = concat!(
-        "UPDATE idempotency SET status = $3, content_type = $4, body = $5 FROM ",
+        "UPDATE idempotency SET status = $3, content_type = $4, body = $5, run_id = NULL FROM ",
         relaxed!(),
         " WHERE key = $1 AND request_id = $2"
     );
