@@ -40,6 +40,8 @@ pub struct Claim {
     unsure: AtomicBool,
     /// A transaction of this request created a record (`Tx::key_created`).
     created: AtomicBool,
+    /// A transaction of this request found the key held by another.
+    held_elsewhere: AtomicBool,
 }
 
 tokio::task_local! {
@@ -56,6 +58,7 @@ impl Claim {
             recorded: AtomicBool::new(false),
             unsure: AtomicBool::new(false),
             created: AtomicBool::new(false),
+            held_elsewhere: AtomicBool::new(false),
         })
     }
 
@@ -88,6 +91,16 @@ impl Claim {
     /// answer of one that created a record leaves its key held for a day.
     pub fn created(&self) -> bool {
         self.created.load(Ordering::SeqCst)
+    }
+
+    pub fn mark_held_elsewhere(&self) {
+        self.held_elsewhere.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the key was found held by another request (which may have
+    /// been answered since).
+    pub fn held_elsewhere(&self) -> bool {
+        self.held_elsewhere.load(Ordering::SeqCst)
     }
 
     /// Called when a transaction that recorded the key ended with

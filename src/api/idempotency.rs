@@ -117,6 +117,24 @@ async fn abandoned(
     Ok(!backend.run_alive(run_id).await?)
 }
 
+/// The answer of the request that held `claim`'s key when this one found
+/// it held, if that request was answered since: a repeat that raced it
+/// (or raced another retry to take the key over) gets that answer, not
+/// `request_in_progress`.
+async fn answered_since(state: &AppState, claim: &Claim) -> Option<Response> {
+    if let Some(first) = state.unkept.answer(&claim.key) {
+        return Some(again(first, &claim.request));
+    }
+    let first = state
+        .store
+        .backend()
+        .idempotent_request(&claim.key)
+        .await
+        .ok()??;
+    first.status?;
+    Some(again(first, &claim.request))
+}
+
 /// The answer to a repeat of `first`'s key.
 fn again(first: IdempotentRequest, request: &str) -> Response {
     if first.request != request {
@@ -141,6 +159,9 @@ fn again(first: IdempotentRequest, request: &str) -> Response {
 /// Store the answer of a request that recorded its key, or let the key go
 /// when the answer is a failure of the server (the request may be retried).
 async fn keep(state: &AppState, claim: &Arc<Claim>, res: Response) -> Response {
+    if claim.held_elsewhere() && !claim.recorded() && res.status() == StatusCode::CONFLICT {
+        return answered_since(state, claim).await.unwrap_or(res);
+    }
     if !claim.recorded() {
         return res;
     }

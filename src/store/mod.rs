@@ -348,10 +348,10 @@ impl Store {
                 out => break out,
             }
         };
-        let out = out.inspect_err(|e| {
-            if let (StoreError::OutcomeUnknown(_), Some(c)) = (e, &claim) {
-                c.mark_unsure();
-            }
+        let out = out.inspect_err(|e| match (e, &claim) {
+            (StoreError::OutcomeUnknown(_), Some(c)) => c.mark_unsure(),
+            (StoreError::RequestInProgress, Some(c)) => c.mark_held_elsewhere(),
+            _ => {}
         })?;
         out.downcast::<R>()
             .map(|b| *b)
