@@ -306,14 +306,14 @@ impl Store {
         // A request with an Idempotency-Key records it in each of its
         // transactions, before its change (see `crate::idempotency`).
         let claim = crate::idempotency::Claim::current();
-        let run_id: Arc<str> = self.backend.run_id().into();
+        let run_id: Option<Arc<str>> = claim.as_ref().map(|_| self.backend.run_id().into());
         let mut runs = 0;
         let out = loop {
             runs += 1;
             let (f, claim, run_id) = (f.clone(), claim.clone(), run_id.clone());
             let job: JobFn = Box::new(move |tx| {
                 Box::pin(async move {
-                    let Some(c) = claim else {
+                    let (Some(c), Some(run_id)) = (claim, run_id) else {
                         return f(tx).await.map(|r| Box::new(r) as JobOutput);
                     };
                     let at = crate::time::now_ms();

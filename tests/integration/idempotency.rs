@@ -313,18 +313,28 @@ async fn a_keyed_acquire_on_postgres_costs_one_round_trip_more_than_a_plain_one(
             let m = s.get("/metrics").await;
             metric(&m.body, "holdfast_store_round_trips_total").expect("round trips")
         };
-        let body = |r: &str| json!({"resource": r, "holder": "h", "ttl_ms": 60000});
+        // The startup pass of the reconciler writes too.
+        s.eventually("/metrics", Duration::from_secs(10), |m| {
+            metric(m, "holdfast_reconciler_passes_total").unwrap_or(0) >= 1
+        })
+        .await;
         // The first write of a connection reads what the cache lacks.
         s.acquire_ok("idem/rt/warm", "h").await;
-        let before = trips().await;
-        s.acquire_ok("idem/rt/plain", "h").await;
-        let plain = trips().await - before;
-        let before = trips().await;
-        let keyed = s
-            .post_keyed("/v1/leases", "rt-1", body("idem/rt/keyed"))
-            .await;
-        assert_eq!(keyed.status, StatusCode::CREATED, "{}", keyed.body);
-        assert_eq!(trips().await - before, plain + 1, "plain: {plain}");
+        // The fewest of three: a write of the server's own in between
+        // only adds.
+        let (mut plain, mut keyed) = (u64::MAX, u64::MAX);
+        for i in 0..3 {
+            let before = trips().await;
+            s.acquire_ok(&format!("idem/rt/plain/{i}"), "h").await;
+            plain = plain.min(trips().await - before);
+            let before = trips().await;
+            let body =
+                json!({"resource": format!("idem/rt/keyed/{i}"), "holder": "h", "ttl_ms": 60000});
+            let r = s.post_keyed("/v1/leases", &format!("rt-{i}"), body).await;
+            assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+            keyed = keyed.min(trips().await - before);
+        }
+        assert_eq!(keyed, plain + 1, "plain: {plain}");
     })
     .await
 }
