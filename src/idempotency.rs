@@ -18,6 +18,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::store::{KeyClaim, Result, Tx};
+
 /// How long a key and its answer are kept.
 pub const KEEP_MS: i64 = 24 * 60 * 60 * 1000;
 
@@ -60,6 +62,33 @@ impl Claim {
             created: AtomicBool::new(false),
             held_elsewhere: AtomicBool::new(false),
         })
+    }
+
+    /// Record the key in `tx`, for a transaction of this request in the
+    /// server run `run_id`: false when another request holds it.
+    pub async fn record_in(&self, tx: &mut dyn Tx, run_id: &str) -> Result<bool> {
+        let at = crate::time::now_ms();
+        let mine = KeyClaim {
+            key: &self.key,
+            request: &self.request,
+            request_id: &self.request_id,
+            run_id,
+            supersedes: self.supersedes.as_deref(),
+            at,
+            stale: at - KEEP_MS,
+        };
+        if tx.claim_key(&mine).await? != self.request_id {
+            return Ok(false);
+        }
+        self.mark_recorded();
+        Ok(true)
+    }
+
+    /// `tx`, which recorded the key, created a record for this request.
+    pub async fn created_in(&self, tx: &mut dyn Tx) -> Result<()> {
+        tx.key_created(&self.key, &self.request_id).await?;
+        self.mark_created();
+        Ok(())
     }
 
     /// Run `f` (the request's handler) with this key.

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::oneshot;
 
 use super::{Acquire, Acquired, ops};
+use crate::idempotency::Claim;
 use crate::store::{Result, Tx};
 use crate::tx::Ctx;
 use crate::waiters::Waiters;
@@ -27,6 +28,9 @@ use crate::waiters::Waiters;
 struct Offer {
     cmd: Acquire,
     reply: oneshot::Sender<Acquired>,
+    /// The waiter's Idempotency-Key, with its server run: recorded in the
+    /// transaction that grants it the lease, as in its own.
+    claim: Option<(Arc<Claim>, Arc<str>)>,
 }
 
 /// The standing offers of parked waiters, by ticket.
@@ -55,9 +59,14 @@ impl Offers {
 
     /// Offer `cmd` on behalf of the waiter holding `ticket`, until the
     /// returned `Parked` is withdrawn or dropped.
-    pub fn park(self: &Arc<Self>, ticket: u64, cmd: Acquire) -> Parked {
+    pub fn park(
+        self: &Arc<Self>,
+        ticket: u64,
+        cmd: Acquire,
+        claim: Option<(Arc<Claim>, Arc<str>)>,
+    ) -> Parked {
         let (reply, rx) = oneshot::channel();
-        self.lock().insert(ticket, Offer { cmd, reply });
+        self.lock().insert(ticket, Offer { cmd, reply, claim });
         Parked {
             offers: self.clone(),
             ticket,
@@ -85,15 +94,24 @@ impl Offers {
         let Some(offer) = self.lock().remove(&head) else {
             return Ok(None);
         };
+        // Its key held by another request: the waiter meets that itself.
+        if let Some((claim, run_id)) = &offer.claim
+            && !claim.record_in(tx, run_id).await?
+        {
+            return Ok(None);
+        }
         // A refusal (its parent fenced, say) drops the reply: the waiter
         // then tries in a transaction of its own and meets it there.
-        Ok(ops::acquire(tx, cx, offer.cmd)
-            .await?
-            .ok()
-            .map(|acquired| Handed {
-                reply: offer.reply,
-                acquired,
-            }))
+        let Ok(acquired) = ops::acquire(tx, cx, offer.cmd).await? else {
+            return Ok(None);
+        };
+        if let Some((claim, _)) = &offer.claim {
+            claim.created_in(tx).await?;
+        }
+        Ok(Some(Handed {
+            reply: offer.reply,
+            acquired,
+        }))
     }
 }
 
@@ -174,7 +192,7 @@ mod tests {
         let (fx, waiters, offers, id) = setup().await;
         let mark = fx.mark().await;
         let t = waiters.enqueue("r", waiters.ends_seen());
-        let parked = offers.park(t.id(), cmd("second"));
+        let parked = offers.park(t.id(), cmd("second"), None);
         let handed = release_granting(&fx, &waiters, &offers, &id).await;
         let handed = handed.expect("granted to the parked head");
         assert_eq!(handed.acquired.lease.holder, "second");
@@ -196,7 +214,7 @@ mod tests {
     async fn a_withdrawn_offer_is_not_granted() {
         let (fx, waiters, offers, id) = setup().await;
         let t = waiters.enqueue("r", waiters.ends_seen());
-        let parked = offers.park(t.id(), cmd("second"));
+        let parked = offers.park(t.id(), cmd("second"), None);
         assert!(parked.withdraw().await.is_none());
         assert!(
             release_granting(&fx, &waiters, &offers, &id)
@@ -217,7 +235,7 @@ mod tests {
         let (fx, waiters, offers, id) = setup().await;
         let head = waiters.enqueue("r", waiters.ends_seen());
         let second = waiters.enqueue("r", waiters.ends_seen());
-        let _parked = offers.park(second.id(), cmd("second"));
+        let _parked = offers.park(second.id(), cmd("second"), None);
         assert!(
             release_granting(&fx, &waiters, &offers, &id)
                 .await
@@ -231,7 +249,7 @@ mod tests {
     async fn a_grant_undone_with_its_transaction_tells_the_waiter_to_try_itself() {
         let (fx, waiters, offers, id) = setup().await;
         let t = waiters.enqueue("r", waiters.ends_seen());
-        let mut parked = offers.park(t.id(), cmd("second"));
+        let mut parked = offers.park(t.id(), cmd("second"), None);
         let handed = release_granting(&fx, &waiters, &offers, &id).await;
         // As when the releasing transaction is rolled back: never delivered.
         drop(handed.expect("granted"));
@@ -242,7 +260,7 @@ mod tests {
     async fn a_release_grants_nothing_while_an_older_waiter_waits_on_another_host() {
         let (fx, waiters, offers, id) = setup().await;
         let t = waiters.enqueue("r", waiters.ends_seen());
-        let mut parked = offers.park(t.id(), cmd("second"));
+        let mut parked = offers.park(t.id(), cmd("second"), None);
         // Unstamped, this host's waiter comes after any announced elsewhere.
         waiters.news(&crate::waiters::remote::WaitNews {
             from: "other-host".into(),

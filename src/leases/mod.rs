@@ -266,28 +266,19 @@ impl Leases {
 
     /// Wait in the queue until woken or `until`, offering to be handed the
     /// lease meanwhile; Some when a release handed it over. A request with
-    /// an Idempotency-Key makes no offer: its key must be recorded in the
-    /// transaction that acquires for it, which runs as its own.
+    /// an Idempotency-Key offers its key too: the releasing transaction
+    /// records it with the lease it grants (`handoff::Offers::grant_head`).
     async fn park(&self, t: &Ticket, cmd: &Acquire, until: Instant) -> Option<Acquired> {
-        let mut parked = crate::idempotency::Claim::current()
-            .is_none()
-            .then(|| self.offers.park(t.id(), cmd.clone()));
-        let handed = async {
-            match parked.as_mut() {
-                Some(p) => p.handed().await,
-                None => std::future::pending().await,
-            }
-        };
+        let claim = crate::idempotency::Claim::current()
+            .map(|c| (c, Arc::<str>::from(self.store.backend().run_id())));
+        let mut parked = self.offers.park(t.id(), cmd.clone(), claim);
         tokio::select! {
             // Taken, granted or not: nothing is left to withdraw.
-            acquired = handed => return acquired,
+            acquired = parked.handed() => return acquired,
             () = t.woken() => {}
             () = tokio::time::sleep_until(until) => {}
         }
-        match parked {
-            Some(p) => p.withdraw().await,
-            None => None,
-        }
+        parked.withdraw().await
     }
 
     /// A waiter that was handed `acquired` leaves the queue.

@@ -316,24 +316,12 @@ impl Store {
                     let (Some(c), Some(run_id)) = (claim, run_id) else {
                         return f(tx).await.map(|r| Box::new(r) as JobOutput);
                     };
-                    let at = crate::time::now_ms();
-                    let mine = KeyClaim {
-                        key: &c.key,
-                        request: &c.request,
-                        request_id: &c.request_id,
-                        run_id: &run_id,
-                        supersedes: c.supersedes.as_deref(),
-                        at,
-                        stale: at - crate::idempotency::KEEP_MS,
-                    };
-                    if tx.claim_key(&mine).await? != c.request_id {
+                    if !c.record_in(tx, &run_id).await? {
                         return Err(StoreError::RequestInProgress);
                     }
-                    c.mark_recorded();
                     let out = f(tx).await?;
                     if tx.created() {
-                        tx.key_created(&c.key, &c.request_id).await?;
-                        c.mark_created();
+                        c.created_in(tx).await?;
                     }
                     Ok(Box::new(out) as JobOutput)
                 })

@@ -300,6 +300,42 @@ async fn a_keyed_release_that_hands_the_lease_over_created_nothing_of_its_own() 
     );
 }
 
+stores!(a_keyed_waiter_is_handed_the_lease_in_the_release_s_commit);
+/// A waiter with a key is granted the lease by the release's transaction,
+/// which records the waiter's key with it: one durable commit for the
+/// hand-off, one for the waiter's answer.
+async fn a_keyed_waiter_is_handed_the_lease_in_the_release_s_commit() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let held = s.acquire_ok("idem/keyed-wait", "first").await;
+    let body =
+        json!({"resource": "idem/keyed-wait", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
+    let waiting = acquire_in_background(&s, "kw-1", &body);
+    s.eventually("/metrics", Duration::from_secs(10), |m| {
+        m.as_str()
+            .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
+    })
+    .await;
+    let before = s.durable_transactions().await;
+    let id = held["id"].as_str().expect("id");
+    let released = s.lease_op(id, "release", json!({"token": 1})).await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+    let (status, granted) = waiting.await.expect("join");
+    assert_eq!(status, StatusCode::CREATED, "{granted}");
+    assert_eq!(
+        (&granted["holder"], &granted["token"]),
+        (&json!("next"), &json!(2))
+    );
+    assert_eq!(
+        s.durable_transactions().await - before,
+        2,
+        "the release with the hand-off, and the waiter's answer"
+    );
+    let again = s.post_keyed("/v1/leases", "kw-1", body).await;
+    assert_eq!((again.status, &again.body), (StatusCode::CREATED, &granted));
+    assert!(replayed(&again));
+    assert_eq!(acquires(&s).await, 2);
+}
+
 /// On PostgreSQL a key's claim goes with the transaction's other writes,
 /// checked inside its commit: a keyed acquire costs the writer the round
 /// trips of a plain one, and one more for its answer.
