@@ -34,6 +34,8 @@ pub struct Claim {
     /// The request this one takes the key over from: it was still in
     /// progress when its server run ended, and had created nothing.
     pub supersedes: Option<String>,
+    /// The server run answering it (`Backend::run_id`).
+    run_id: String,
     /// A transaction of this request recorded the key (it holds it if that
     /// transaction committed).
     recorded: AtomicBool,
@@ -51,12 +53,18 @@ tokio::task_local! {
 }
 
 impl Claim {
-    pub fn new(key: String, request: String, supersedes: Option<String>) -> Arc<Self> {
+    pub fn new(
+        key: String,
+        request: String,
+        supersedes: Option<String>,
+        run_id: String,
+    ) -> Arc<Self> {
         Arc::new(Self {
             key,
             request,
             request_id: uuid::Uuid::now_v7().to_string(),
             supersedes,
+            run_id,
             recorded: AtomicBool::new(false),
             unsure: AtomicBool::new(false),
             created: AtomicBool::new(false),
@@ -64,15 +72,15 @@ impl Claim {
         })
     }
 
-    /// Record the key in `tx`, for a transaction of this request in the
-    /// server run `run_id`: false when another request holds it.
-    pub async fn record_in(&self, tx: &mut dyn Tx, run_id: &str) -> Result<bool> {
+    /// Record the key in `tx`, for a transaction of this request: false
+    /// when another request holds it.
+    pub async fn record_in(&self, tx: &mut dyn Tx) -> Result<bool> {
         let at = crate::time::now_ms();
         let mine = KeyClaim {
             key: &self.key,
             request: &self.request,
             request_id: &self.request_id,
-            run_id,
+            run_id: &self.run_id,
             supersedes: self.supersedes.as_deref(),
             at,
             stale: at - KEEP_MS,

@@ -86,7 +86,7 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
         }
         Ok(_) => {}
     }
-    let claim = Claim::new(key, request, supersedes);
+    let claim = Claim::new(key, request, supersedes, backend.run_id().to_owned());
     let req = Request::from_parts(parts, Body::from(bytes));
     // Answered to the end even if the client goes away: its retry gets
     // this answer.

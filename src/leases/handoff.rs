@@ -28,9 +28,9 @@ use crate::waiters::Waiters;
 struct Offer {
     cmd: Acquire,
     reply: oneshot::Sender<Acquired>,
-    /// The waiter's Idempotency-Key, with its server run: recorded in the
-    /// transaction that grants it the lease, as in its own.
-    claim: Option<(Arc<Claim>, Arc<str>)>,
+    /// The waiter's Idempotency-Key: recorded in the transaction that
+    /// grants it the lease, as in its own.
+    claim: Option<Arc<Claim>>,
 }
 
 /// The standing offers of parked waiters, by ticket.
@@ -59,12 +59,7 @@ impl Offers {
 
     /// Offer `cmd` on behalf of the waiter holding `ticket`, until the
     /// returned `Parked` is withdrawn or dropped.
-    pub fn park(
-        self: &Arc<Self>,
-        ticket: u64,
-        cmd: Acquire,
-        claim: Option<(Arc<Claim>, Arc<str>)>,
-    ) -> Parked {
+    pub fn park(self: &Arc<Self>, ticket: u64, cmd: Acquire, claim: Option<Arc<Claim>>) -> Parked {
         let (reply, rx) = oneshot::channel();
         self.lock().insert(ticket, Offer { cmd, reply, claim });
         Parked {
@@ -95,8 +90,8 @@ impl Offers {
             return Ok(None);
         };
         // Its key held by another request: the waiter meets that itself.
-        if let Some((claim, run_id)) = &offer.claim
-            && !claim.record_in(tx, run_id).await?
+        if let Some(claim) = &offer.claim
+            && !claim.record_in(tx).await?
         {
             return Ok(None);
         }
@@ -105,7 +100,7 @@ impl Offers {
         let Ok(acquired) = ops::acquire(tx, cx, offer.cmd).await? else {
             return Ok(None);
         };
-        if let Some((claim, _)) = &offer.claim {
+        if let Some(claim) = &offer.claim {
             claim.created_in(tx).await?;
         }
         Ok(Some(Handed {

@@ -269,8 +269,7 @@ impl Leases {
     /// an Idempotency-Key offers its key too: the releasing transaction
     /// records it with the lease it grants (`handoff::Offers::grant_head`).
     async fn park(&self, t: &Ticket, cmd: &Acquire, until: Instant) -> Option<Acquired> {
-        let claim = crate::idempotency::Claim::current()
-            .map(|c| (c, Arc::<str>::from(self.store.backend().run_id())));
+        let claim = crate::idempotency::Claim::current();
         let mut parked = self.offers.park(t.id(), cmd.clone(), claim);
         tokio::select! {
             // Taken, granted or not: nothing is left to withdraw.

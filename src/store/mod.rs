@@ -306,17 +306,16 @@ impl Store {
         // A request with an Idempotency-Key records it in each of its
         // transactions, before its change (see `crate::idempotency`).
         let claim = crate::idempotency::Claim::current();
-        let run_id: Option<Arc<str>> = claim.as_ref().map(|_| self.backend.run_id().into());
         let mut runs = 0;
         let out = loop {
             runs += 1;
-            let (f, claim, run_id) = (f.clone(), claim.clone(), run_id.clone());
+            let (f, claim) = (f.clone(), claim.clone());
             let job: JobFn = Box::new(move |tx| {
                 Box::pin(async move {
-                    let (Some(c), Some(run_id)) = (claim, run_id) else {
+                    let Some(c) = claim else {
                         return f(tx).await.map(|r| Box::new(r) as JobOutput);
                     };
-                    if !c.record_in(tx, &run_id).await? {
+                    if !c.record_in(tx).await? {
                         return Err(StoreError::RequestInProgress);
                     }
                     let out = f(tx).await?;

@@ -869,7 +869,12 @@ async fn a_keyed_write_records_its_run_until_it_creates_a_record() {
     use holdfast::idempotency::Claim;
     let place = Place::new().await;
     let s = place.open().await;
-    let claim = Claim::new("w".into(), "POST /v1/leases\n{}".into(), None);
+    let claim = Claim::new(
+        "w".into(),
+        "POST /v1/leases\n{}".into(),
+        None,
+        s.backend().run_id().to_owned(),
+    );
     let read = claim
         .clone()
         .scope(s.store.write(true, |tx| tx.current_lease("res/k")))
