@@ -18,8 +18,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::store::{KeyClaim, Result, Tx};
-
 /// How long a key and its answer are kept.
 pub const KEEP_MS: i64 = 24 * 60 * 60 * 1000;
 
@@ -35,7 +33,7 @@ pub struct Claim {
     /// progress when its server run ended, and had created nothing.
     pub supersedes: Option<String>,
     /// The server run answering it (`Backend::run_id`).
-    run_id: String,
+    pub run_id: String,
     /// A transaction of this request recorded the key (it holds it if that
     /// transaction committed).
     recorded: AtomicBool,
@@ -70,33 +68,6 @@ impl Claim {
             created: AtomicBool::new(false),
             held_elsewhere: AtomicBool::new(false),
         })
-    }
-
-    /// Record the key in `tx`, for a transaction of this request: false
-    /// when another request holds it.
-    pub async fn record_in(&self, tx: &mut dyn Tx) -> Result<bool> {
-        let at = crate::time::now_ms();
-        let mine = KeyClaim {
-            key: &self.key,
-            request: &self.request,
-            request_id: &self.request_id,
-            run_id: &self.run_id,
-            supersedes: self.supersedes.as_deref(),
-            at,
-            stale: at - KEEP_MS,
-        };
-        if tx.claim_key(&mine).await? != self.request_id {
-            return Ok(false);
-        }
-        self.mark_recorded();
-        Ok(true)
-    }
-
-    /// `tx`, which recorded the key, created a record for this request.
-    pub async fn created_in(&self, tx: &mut dyn Tx) -> Result<()> {
-        tx.key_created(&self.key, &self.request_id).await?;
-        self.mark_created();
-        Ok(())
     }
 
     /// Run `f` (the request's handler) with this key.

@@ -91,7 +91,7 @@ impl Offers {
         };
         // Its key held by another request: the waiter meets that itself.
         if let Some(claim) = &offer.claim
-            && !claim.record_in(tx).await?
+            && !crate::store::record_claim(claim, tx).await?
         {
             return Ok(None);
         }
@@ -101,7 +101,7 @@ impl Offers {
             return Ok(None);
         };
         if let Some(claim) = &offer.claim {
-            claim.created_in(tx).await?;
+            crate::store::claim_created(claim, tx).await?;
         }
         Ok(Some(Handed {
             reply: offer.reply,

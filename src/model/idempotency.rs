@@ -17,3 +17,20 @@ pub struct IdempotentRequest {
     /// once that run has ended (see `crate::idempotency`).
     pub run_id: Option<String>,
 }
+
+/// What a request records under its key in each of its transactions.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyClaim<'a> {
+    pub key: &'a str,
+    /// Method, path and body.
+    pub request: &'a str,
+    pub request_id: &'a str,
+    /// The server run answering it.
+    pub run_id: &'a str,
+    /// The request, still in progress in a run that has ended, whose key
+    /// this one may take over (see `crate::idempotency`).
+    pub supersedes: Option<&'a str>,
+    pub at: Millis,
+    /// A record made before this is replaced.
+    pub stale: Millis,
+}

@@ -6,6 +6,7 @@
 use sqlx::Database;
 
 use super::{BoxFuture, Result, StoreError};
+use crate::model::KeyClaim;
 use crate::time::Millis;
 
 /// A parameter value, as every statement of the stores binds it.
@@ -129,26 +130,22 @@ pub trait Exec: Send {
         let _ = checks;
     }
 
-    /// Record a request's key (`rows::claim_key`): the id of the request
-    /// that holds it. PostgreSQL's writer queues it with its writes
-    /// instead, and answers this request's id: the claim then runs inside
-    /// the commit, and one that finds the key held fails the transaction
-    /// as `StoreError::Stale`, so that its jobs run again on fresh reads,
-    /// which claim at once.
-    fn claim_key<'a>(
-        &'a mut self,
-        claim: &'a super::KeyClaim<'a>,
-    ) -> BoxFuture<'a, Result<String>> {
-        Box::pin(super::rows::claim_key(self, claim))
+    /// Queue a request's key claim with the transaction's writes, where
+    /// the store checks claims inside its commit (PostgreSQL's writer: one
+    /// that finds the key held fails the transaction as
+    /// `StoreError::Stale`, so that its jobs run again on fresh reads,
+    /// which claim at once): true if queued. Else the caller claims now
+    /// (`rows::claim_key`).
+    fn queue_claim(&mut self, claim: &KeyClaim<'_>) -> bool {
+        let _ = claim;
+        false
     }
 
-    /// `rows::key_created`, or the same change to a queued claim.
-    fn key_created<'a>(
-        &'a mut self,
-        key: &'a str,
-        request_id: &'a str,
-    ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(super::rows::key_created(self, key, request_id))
+    /// Mark the queued claim of `key` by `request_id`, if there is one, as
+    /// having created a record (`rows::key_created`): true if there was.
+    fn created_queued(&mut self, key: &str, request_id: &str) -> bool {
+        let _ = (key, request_id);
+        false
     }
 
     /// As `execute`, or `execute_one` with `what`, for a write of kind

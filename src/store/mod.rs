@@ -9,7 +9,8 @@ mod group;
 mod migrate;
 pub mod postgres;
 mod rows;
-pub use rows::KeyClaim;
+use crate::idempotency::Claim;
+pub use crate::model::KeyClaim;
 pub(crate) mod sql;
 mod sql_store;
 mod sql_tx;
@@ -282,6 +283,33 @@ pub trait Backend: Send + Sync + 'static {
     fn relaxed_renewals(&self) -> bool;
 }
 
+/// Record `claim`'s key in `tx`, for a transaction of its request: false
+/// when another request holds it.
+pub async fn record_claim(claim: &Claim, tx: &mut dyn Tx) -> Result<bool> {
+    let at = crate::time::now_ms();
+    let mine = KeyClaim {
+        key: &claim.key,
+        request: &claim.request,
+        request_id: &claim.request_id,
+        run_id: &claim.run_id,
+        supersedes: claim.supersedes.as_deref(),
+        at,
+        stale: at - crate::idempotency::KEEP_MS,
+    };
+    if tx.claim_key(&mine).await? != claim.request_id {
+        return Ok(false);
+    }
+    claim.mark_recorded();
+    Ok(true)
+}
+
+/// `tx`, which recorded `claim`'s key, created a record for its request.
+pub async fn claim_created(claim: &Claim, tx: &mut dyn Tx) -> Result<()> {
+    tx.key_created(&claim.key, &claim.request_id).await?;
+    claim.mark_created();
+    Ok(())
+}
+
 /// The store the service uses: a backend plus typed helpers.
 #[derive(Clone)]
 pub struct Store {
@@ -315,12 +343,12 @@ impl Store {
                     let Some(c) = claim else {
                         return f(tx).await.map(|r| Box::new(r) as JobOutput);
                     };
-                    if !c.record_in(tx).await? {
+                    if !record_claim(&c, tx).await? {
                         return Err(StoreError::RequestInProgress);
                     }
                     let out = f(tx).await?;
                     if tx.created() {
-                        c.created_in(tx).await?;
+                        claim_created(&c, tx).await?;
                     }
                     Ok(Box::new(out) as JobOutput)
                 })

@@ -152,7 +152,12 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
     }
 
     fn claim_key<'a>(&'a mut self, claim: &'a KeyClaim<'a>) -> BoxFuture<'a, Result<String>> {
-        self.conn.claim_key(claim)
+        Box::pin(async move {
+            if self.conn.queue_claim(claim) {
+                return Ok(claim.request_id.to_owned());
+            }
+            rows::claim_key(self.conn, claim).await
+        })
     }
 
     fn key_created<'a>(
@@ -160,7 +165,12 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         key: &'a str,
         request_id: &'a str,
     ) -> BoxFuture<'a, Result<()>> {
-        self.conn.key_created(key, request_id)
+        Box::pin(async move {
+            if self.conn.created_queued(key, request_id) {
+                return Ok(());
+            }
+            rows::key_created(self.conn, key, request_id).await
+        })
     }
 
     fn created(&self) -> bool {

@@ -697,36 +697,22 @@ impl Exec for Pipeline<'_> {
         true
     }
 
-    fn claim_key<'a>(
-        &'a mut self,
-        claim: &'a crate::store::KeyClaim<'a>,
-    ) -> BoxFuture<'a, Result<String>> {
+    fn queue_claim(&mut self, claim: &crate::store::KeyClaim<'_>) -> bool {
         if self.claim_at_once {
-            return Box::pin(crate::store::rows::claim_key(self, claim));
+            return false;
         }
         self.claims
             .push(json_row(crate::store::rows::claim_args(claim)));
-        let holder = claim.request_id.to_owned();
-        Box::pin(async move { Ok(holder) })
+        true
     }
 
-    fn key_created<'a>(
-        &'a mut self,
-        key: &'a str,
-        request_id: &'a str,
-    ) -> BoxFuture<'a, Result<()>> {
+    fn created_queued(&mut self, key: &str, request_id: &str) -> bool {
         let queued = self
             .claims
             .iter_mut()
             .find(|c| c[0] == key && c[2] == request_id);
-        match queued {
-            // The run's column of `claim_sql!`: none, so never taken over.
-            Some(c) => {
-                c[5] = Value::Null;
-                Box::pin(async { Ok(()) })
-            }
-            None => Box::pin(crate::store::rows::key_created(self, key, request_id)),
-        }
+        // The run's column of `claim_sql!`: none, so never taken over.
+        queued.map(|c| c[5] = Value::Null).is_some()
     }
 
     fn guard(&mut self, checks: Vec<Check>) {

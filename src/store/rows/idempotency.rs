@@ -2,25 +2,8 @@
 
 use super::super::Result;
 use super::super::db::{Cols, Exec, Stmt};
-use crate::model::IdempotentRequest;
+use crate::model::{IdempotentRequest, KeyClaim};
 use crate::time::Millis;
-
-/// What a request records under its key in each of its transactions.
-#[derive(Debug, Clone, Copy)]
-pub struct KeyClaim<'a> {
-    pub key: &'a str,
-    /// Method, path and body.
-    pub request: &'a str,
-    pub request_id: &'a str,
-    /// The server run answering it.
-    pub run_id: &'a str,
-    /// The request, still in progress in a run that has ended, whose key
-    /// this one may take over (see `crate::idempotency`).
-    pub supersedes: Option<&'a str>,
-    pub at: Millis,
-    /// A record made before this is replaced.
-    pub stale: Millis,
-}
 
 /// When a claim replaces the row it meets: the row is stale, or it is the
 /// one the claim supersedes and nothing was created under it since.
