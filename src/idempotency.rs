@@ -4,6 +4,10 @@
 //! request's transactions, the same transaction as its change, so that a
 //! change is never kept without its key. A request that finds the key held
 //! by another request makes no change (`StoreError::RequestInProgress`).
+//! Where the handler can say what it will answer for what the transaction
+//! returns (`Claim::answer_with`: the lease requests), that transaction
+//! keeps the answer too, and a change is never kept without its answer;
+//! the other requests keep theirs after the change (`api::unkept`).
 //!
 //! A key is recorded with the server run that answers its request. If that
 //! run ends (the server killed or restarted) before the answer is stored,
@@ -15,11 +19,29 @@
 //! again would make the change twice, and that key stays held. What else a
 //! request changes (a renewal, a release, a stop) is safe to do again.
 
-use std::sync::Arc;
+use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 /// How long a key and its answer are kept.
 pub const KEEP_MS: i64 = 24 * 60 * 60 * 1000;
+
+/// An answer as it is kept: status, content type, body.
+pub type Answer = (u16, String, String);
+
+/// The answer a request gives for what one of its transactions returns
+/// (`Store::write`'s job output), when that output is its last word: None
+/// for any other output (of another type, or one after which the request
+/// goes on, such as an acquire that will wait).
+pub type Render = Box<dyn Fn(&dyn Any) -> Option<Answer> + Send + Sync>;
+
+struct Renderer(Render);
+
+impl std::fmt::Debug for Renderer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Renderer")
+    }
+}
 
 /// The key of one request.
 #[derive(Debug)]
@@ -44,6 +66,11 @@ pub struct Claim {
     created: AtomicBool,
     /// A transaction of this request found the key held by another.
     held_elsewhere: AtomicBool,
+    /// Set by the request's handler: its answer can be kept by the
+    /// transaction that makes it, with the change.
+    render: OnceLock<Renderer>,
+    /// A committed transaction of this request kept its answer.
+    answered: AtomicBool,
 }
 
 tokio::task_local! {
@@ -67,6 +94,8 @@ impl Claim {
             unsure: AtomicBool::new(false),
             created: AtomicBool::new(false),
             held_elsewhere: AtomicBool::new(false),
+            render: OnceLock::new(),
+            answered: AtomicBool::new(false),
         })
     }
 
@@ -99,6 +128,27 @@ impl Claim {
     /// answer of one that created a record leaves its key held for a day.
     pub fn created(&self) -> bool {
         self.created.load(Ordering::SeqCst)
+    }
+
+    /// Let this request's transactions keep its answer with its change
+    /// (see `Render`); the first call wins.
+    pub fn answer_with(&self, render: Render) {
+        let _ = self.render.set(Renderer(render));
+    }
+
+    /// The answer to keep with a transaction that returns `out`.
+    pub fn render(&self, out: &dyn Any) -> Option<Answer> {
+        self.render.get().and_then(|r| (r.0)(out))
+    }
+
+    pub fn mark_answered(&self) {
+        self.answered.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the answer was kept with the change, in one transaction:
+    /// nothing is left to write after it.
+    pub fn answered(&self) -> bool {
+        self.answered.load(Ordering::SeqCst)
     }
 
     pub fn mark_held_elsewhere(&self) {

@@ -3,17 +3,20 @@
 //! the key with another request is refused; a repeat while the first is
 //! still being answered is `409 request_in_progress`.
 
+use std::any::Any;
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
+use axum::http::response::Parts;
 use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use futures_util::FutureExt;
 
 use super::error::ApiError;
 use super::{AppState, BODY_LIMIT};
-use crate::idempotency::Claim;
+use crate::idempotency::{Answer, Claim};
 use crate::model::IdempotentRequest;
 
 pub const HEADER: &str = "idempotency-key";
@@ -156,9 +159,34 @@ fn again(first: IdempotentRequest, request: &str) -> Response {
     res
 }
 
+/// Let the transaction that makes this request's change keep its answer
+/// too, in one commit (see `crate::idempotency::Render`): `render` gives
+/// the response the handler will give for a transaction's output (to
+/// downcast), or None when that output is not the request's last word. A
+/// request without a key has nothing to keep.
+pub fn answer_in_tx(render: impl Fn(&dyn Any) -> Option<Response> + Send + Sync + 'static) {
+    let Some(claim) = Claim::current() else {
+        return;
+    };
+    claim.answer_with(Box::new(move |out| {
+        let (parts, body) = render(out)?.into_parts();
+        if parts.status.is_server_error() {
+            return None;
+        }
+        // A handler's answer is a whole body, ready at once.
+        let bytes = axum::body::to_bytes(body, MAX_ANSWER)
+            .now_or_never()?
+            .ok()?;
+        Some(answer_of(&parts, &bytes))
+    }));
+}
+
 /// Store the answer of a request that recorded its key, or let the key go
 /// when the answer is a failure of the server (the request may be retried).
 async fn keep(state: &AppState, claim: &Arc<Claim>, res: Response) -> Response {
+    if claim.answered() {
+        return res;
+    }
     if claim.held_elsewhere() && !claim.recorded() && res.status() == StatusCode::CONFLICT {
         return answered_since(state, claim).await.unwrap_or(res);
     }
@@ -188,21 +216,28 @@ async fn keep(state: &AppState, claim: &Arc<Claim>, res: Response) -> Response {
         }
         return Response::from_parts(parts, Body::from(bytes));
     }
+    let (status, content_type, body) = answer_of(&parts, &bytes);
+    let answer = IdempotentRequest {
+        request: claim.request.clone(),
+        request_id: claim.request_id.clone(),
+        status: Some(status),
+        content_type: Some(content_type),
+        body: Some(body),
+        created_at: crate::time::now_ms(),
+        run_id: None,
+    };
+    settle(Some(answer)).await;
+    Response::from_parts(parts, Body::from(bytes))
+}
+
+/// An answer as kept: status, content type, body.
+fn answer_of(parts: &Parts, body: &[u8]) -> Answer {
     let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("application/json")
         .to_owned();
-    let answer = IdempotentRequest {
-        request: claim.request.clone(),
-        request_id: claim.request_id.clone(),
-        status: Some(parts.status.as_u16()),
-        content_type: Some(content_type),
-        body: Some(String::from_utf8_lossy(&bytes).into_owned()),
-        created_at: crate::time::now_ms(),
-        run_id: None,
-    };
-    settle(Some(answer)).await;
-    Response::from_parts(parts, Body::from(bytes))
+    let body = String::from_utf8_lossy(body).into_owned();
+    (parts.status.as_u16(), content_type, body)
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::extract::{Extension, Path, State};
 use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use utoipa::{IntoParams, ToSchema};
@@ -16,10 +16,11 @@ use super::AppState;
 use super::auth::{Caller, Peer};
 use super::error::{ApiError, Problem};
 use super::extract::{Body, Params};
+use super::idempotency::answer_in_tx;
 use super::owner::{OwnerSpec, resolve_owner};
 use super::paging;
 use super::validate::{self, NAME_MAX, RESOURCE_MAX, TTL_MS, WAIT_MS};
-use crate::leases::{Acquire, Reclaimed};
+use crate::leases::{Acquire, Acquired, LeaseError, Outcome, Reclaimed, Released};
 use crate::model::{LeaseFilter, LeaseView, StateFilter};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -175,7 +176,7 @@ async fn acquire_lease(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     Body(req): Body<AcquireRequest>,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Response, ApiError> {
     validate::text("resource", &req.resource, RESOURCE_MAX)?;
     validate::text("holder", &req.holder, NAME_MAX)?;
     if let Some(ttl) = req.ttl_ms {
@@ -213,17 +214,41 @@ async fn acquire_lease(
         metadata,
     };
     let wait = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
-    let acquired = state.leases.acquire(cmd, wait).await?;
+    answer_in_tx(move |out| {
+        match out.downcast_ref::<Outcome<Acquired>>()? {
+            Ok(a) => Some(acquired_answer(a.clone())),
+            // It waits on, unless its time is up; the answer comes later.
+            Err(LeaseError::Held(_)) if !wait.is_zero() => None,
+            Err(e) => Some(ApiError::Lease(e.clone()).into_response()),
+        }
+    });
+    Ok(acquired_answer(state.leases.acquire(cmd, wait).await?))
+}
+
+fn acquired_answer(acquired: Acquired) -> Response {
     let location = format!("/v1/leases/{}", acquired.lease.id);
     let body = AcquireResponse {
         lease: acquired.lease,
         reclaimed: acquired.reclaimed,
     };
-    Ok((
-        StatusCode::CREATED,
-        [(header::LOCATION, location)],
-        Json(body),
-    ))
+    let headers = [(header::LOCATION, location)];
+    (StatusCode::CREATED, headers, Json(body)).into_response()
+}
+
+/// Let the transaction of a lease operation answered with the lease (or
+/// a refusal) keep that answer (`idempotency::answer_in_tx`), as the
+/// handler's `Json` gives it.
+fn answer_lease_in_tx() {
+    answer_in_tx(|out| {
+        let out = match out.downcast_ref::<Outcome<LeaseView>>() {
+            Some(o) => o,
+            None => &out.downcast_ref::<Released>()?.out,
+        };
+        Some(match out {
+            Ok(lease) => Json(lease).into_response(),
+            Err(e) => ApiError::Lease(e.clone()).into_response(),
+        })
+    });
 }
 
 /// Get one lease, current or ended.
@@ -296,6 +321,7 @@ async fn renew_lease(
     if let Some(ttl) = req.ttl_ms {
         validate::in_range("ttl_ms", ttl, TTL_MS)?;
     }
+    answer_lease_in_tx();
     Ok(Json(state.leases.renew(id, req.token, req.ttl_ms).await?))
 }
 
@@ -323,6 +349,7 @@ async fn activate_lease(
         .owner
         .map(|o| resolve_owner(state.leases.host(), o, "owner", &caller))
         .transpose()?;
+    answer_lease_in_tx();
     Ok(Json(state.leases.activate(id, req.token, owner).await?))
 }
 
@@ -345,6 +372,7 @@ async fn release_lease(
 ) -> Result<Json<LeaseView>, ApiError> {
     let id = validate::id("lease", &id)?;
     validate::token("token", req.token)?;
+    answer_lease_in_tx();
     Ok(Json(state.leases.release(id, req.token).await?))
 }
 
@@ -381,5 +409,6 @@ async fn break_lease(
         ),
         Peer::Tcp => "admin".to_owned(),
     };
+    answer_lease_in_tx();
     Ok(Json(state.leases.break_lease(id, req.reason, by).await?))
 }

@@ -1,5 +1,6 @@
-//! What a keyed request leaves to write after its change: its answer, or
-//! the release of its key after a failure. Written at once; when the store
+//! What a keyed request leaves to write after its change: its answer
+//! (unless its change's transaction kept it, `Claim::answered`), or the
+//! release of its key after a failure. Written at once; when the store
 //! cannot take it (a database briefly out of reach), written again in the
 //! background until it can. Meanwhile this host answers a retry from
 //! memory, and the key does not stay `request_in_progress` for a day.

@@ -41,6 +41,8 @@ pub(super) struct Offers(Mutex<HashMap<u64, Offer>>);
 pub(super) struct Handed {
     reply: oneshot::Sender<Acquired>,
     pub acquired: Acquired,
+    /// The waiter's key, whose answer the transaction kept.
+    answered: Option<Arc<Claim>>,
 }
 
 impl Handed {
@@ -48,6 +50,9 @@ impl Handed {
     /// now leaves the lease to end by its TTL or owner, as any acquire
     /// whose client went away does.
     pub fn deliver(self) {
+        if let Some(claim) = self.answered {
+            claim.mark_answered();
+        }
         let _ = self.reply.send(self.acquired);
     }
 }
@@ -100,12 +105,19 @@ impl Offers {
         let Ok(acquired) = ops::acquire(tx, cx, offer.cmd).await? else {
             return Ok(None);
         };
+        let mut answered = None;
         if let Some(claim) = &offer.claim {
             crate::store::claim_created(claim, tx).await?;
+            // The waiter's answer, kept with its lease.
+            let out: super::Outcome<Acquired> = Ok(acquired.clone());
+            if crate::store::answer_claim(claim, &out, tx).await? {
+                answered = Some(claim.clone());
+            }
         }
         Ok(Some(Handed {
             reply: offer.reply,
             acquired,
+            answered,
         }))
     }
 }

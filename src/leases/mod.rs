@@ -51,6 +51,13 @@ pub struct Acquired {
     pub reclaimed: Option<Reclaimed>,
 }
 
+/// What a release that may hand the lease over returns from its
+/// transaction: the release's own outcome, and the waiter's lease.
+pub struct Released {
+    pub out: Outcome<LeaseView>,
+    handed: Option<handoff::Handed>,
+}
+
 /// A refusal the contract names; the store's state is still committed.
 #[derive(Debug, Clone)]
 pub enum LeaseError {
@@ -347,7 +354,7 @@ impl Leases {
     /// transaction (see `handoff`).
     async fn release_handing_off(&self, id: String, token: i64) -> Result<LeaseView, Error> {
         let (waiters, offers) = (self.waiters.clone(), self.offers.clone());
-        let (out, handed) = in_tx!(self, true, |tx, cx| async move {
+        let Released { out, handed } = in_tx!(self, true, |tx, cx| async move {
             let out = ops::release_ending(tx, cx, &id, token).await?;
             let created = tx.created();
             let handed = match &out {
@@ -357,7 +364,8 @@ impl Leases {
             // The lease handed over is its waiter's; this release created
             // nothing (see `crate::idempotency`).
             tx.set_created(created);
-            Ok((out.map(|(lease, _)| lease), handed))
+            let out = out.map(|(lease, _)| lease);
+            Ok(Released { out, handed })
         })?;
         if let Some(h) = handed {
             h.deliver();

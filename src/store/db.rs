@@ -148,6 +148,14 @@ pub trait Exec: Send {
         false
     }
 
+    /// Keep `answer` with the queued claim of `key` by `request_id`, if
+    /// there is one, to be written with it (`rows::answer_key`): true if
+    /// there was.
+    fn answer_queued(&mut self, key: &str, request_id: &str, answer: (u16, &str, &str)) -> bool {
+        let _ = (key, request_id, answer);
+        false
+    }
+
     /// As `execute`, or `execute_one` with `what`, for a write of kind
     /// `hot`, which PostgreSQL's writer sends grouped with others of its
     /// kind, and SQLite's may narrow (`Hot::LeaseRenewal`).

@@ -310,6 +310,26 @@ pub async fn claim_created(claim: &Claim, tx: &mut dyn Tx) -> Result<()> {
     Ok(())
 }
 
+/// Keep the answer of `claim`'s request in `tx`, which recorded its key,
+/// if `out`, what `tx` returns to it, is the request's last word (see
+/// `Claim::render`): true then, once `tx` commits.
+pub fn answer_claim<'a>(
+    claim: &'a Claim,
+    out: &dyn Any,
+    tx: &'a mut dyn Tx,
+) -> BoxFuture<'a, Result<bool>> {
+    // Rendered before the future, which `out` (not `Sync`) must not enter.
+    let answer = claim.render(out);
+    Box::pin(async move {
+        let Some((status, content_type, body)) = answer else {
+            return Ok(false);
+        };
+        let answer = (status, content_type.as_str(), body.as_str());
+        tx.answer_key(&claim.key, &claim.request_id, answer).await?;
+        Ok(true)
+    })
+}
+
 /// The store the service uses: a backend plus typed helpers.
 #[derive(Clone)]
 pub struct Store {
@@ -341,7 +361,7 @@ impl Store {
             let job: JobFn = Box::new(move |tx| {
                 Box::pin(async move {
                     let Some(c) = claim else {
-                        return f(tx).await.map(|r| Box::new(r) as JobOutput);
+                        return f(tx).await.map(|r| Box::new((r, false)) as JobOutput);
                     };
                     if !record_claim(&c, tx).await? {
                         return Err(StoreError::RequestInProgress);
@@ -350,7 +370,8 @@ impl Store {
                     if tx.created() {
                         claim_created(&c, tx).await?;
                     }
-                    Ok(Box::new(out) as JobOutput)
+                    let answered = answer_claim(&c, &out, tx).await?;
+                    Ok(Box::new((out, answered)) as JobOutput)
                 })
             });
             let written = match runs {
@@ -368,9 +389,14 @@ impl Store {
             (StoreError::RequestInProgress, Some(c)) => c.mark_held_elsewhere(),
             _ => {}
         })?;
-        out.downcast::<R>()
+        let (out, answered) = out
+            .downcast::<(R, bool)>()
             .map(|b| *b)
-            .map_err(|_| StoreError::Other("job output of unexpected type".into()))
+            .map_err(|_| StoreError::Other("job output of unexpected type".into()))?;
+        if let (true, Some(c)) = (answered, &claim) {
+            c.mark_answered();
+        }
+        Ok(out)
     }
 
     pub fn backend(&self) -> &dyn Backend {

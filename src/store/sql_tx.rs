@@ -187,7 +187,12 @@ impl<E: Exec + ?Sized> Tx for SqlTx<'_, E> {
         request_id: &'a str,
         answer: (u16, &'a str, &'a str),
     ) -> BoxFuture<'a, Result<()>> {
-        Box::pin(rows::answer_key(self.conn, key, request_id, answer))
+        Box::pin(async move {
+            if self.conn.answer_queued(key, request_id, answer) {
+                return Ok(());
+            }
+            rows::answer_key(self.conn, key, request_id, answer).await
+        })
     }
 
     fn forget_key<'a>(

@@ -238,20 +238,27 @@ async fn a_spawn_retried_with_its_key_starts_one_process() {
     );
 }
 
-stores!(only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk);
-/// docs/durability.md: a lost answer of a request that created nothing
-/// lets its retry be done afresh, so it is committed without an fsync.
-async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk() {
+stores!(a_keyed_lease_request_keeps_its_answer_in_its_change_s_commit);
+/// API.md, "Safe retries": the answer is stored in the same transaction
+/// as the change. A lease request's is: a keyed acquire costs one durable
+/// commit, as a plain one does, and a keyed renewal none more.
+async fn a_keyed_lease_request_keeps_its_answer_in_its_change_s_commit() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let before = s.durable_transactions().await;
     let body = json!({"resource": "idem/sync", "holder": "h", "ttl_ms": 60000});
-    let acquired = s.post_keyed("/v1/leases", "s-1", body).await;
+    let acquired = s.post_keyed("/v1/leases", "s-1", body.clone()).await;
     assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.body);
     assert_eq!(
         s.durable_transactions().await - before,
-        2,
-        "the acquire and its answer"
+        1,
+        "the acquire, with its answer"
     );
+    let again = s.post_keyed("/v1/leases", "s-1", body).await;
+    assert_eq!(
+        (again.status, &again.body),
+        (StatusCode::CREATED, &acquired.body)
+    );
+    assert!(replayed(&again));
     let before = s.durable_transactions().await;
     let path = format!(
         "/v1/leases/{}/renew",
@@ -264,10 +271,49 @@ async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_d
     assert_eq!(
         s.durable_transactions().await - before,
         renewal,
-        "not the renewal's answer"
+        "the renewal, with its answer"
     );
     let again = s.post_keyed(&path, "s-2", json!({"token": 1})).await;
     assert_eq!((again.status, &again.body), (StatusCode::OK, &renewed.body));
+    assert!(replayed(&again));
+}
+
+stores!(only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk);
+/// docs/durability.md: of the answers kept after their change (a
+/// process's requests), a lost one of a request that created nothing lets
+/// its retry be done afresh, so it is committed without an fsync.
+async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let before = s.durable_transactions().await;
+    let body = json!({"kind": "idem", "ttl_ms": 60000});
+    let registered = s.post_keyed("/v1/processes", "p-1", body).await;
+    assert_eq!(
+        registered.status,
+        StatusCode::CREATED,
+        "{}",
+        registered.body
+    );
+    assert_eq!(
+        s.durable_transactions().await - before,
+        2,
+        "the record and its answer"
+    );
+    let before = s.durable_transactions().await;
+    let path = format!(
+        "/v1/processes/{}/heartbeat",
+        registered.body["id"].as_str().expect("id")
+    );
+    let beat = s.post_keyed(&path, "p-2", json!({"token": 1})).await;
+    assert_eq!(beat.status, StatusCode::OK, "{}", beat.body);
+    // A heartbeat is durable on PostgreSQL alone, as a renewal.
+    let heartbeat = u64::from(crate::stores::current() == crate::stores::Store::Postgres);
+    assert_eq!(
+        s.durable_transactions().await - before,
+        heartbeat,
+        "the heartbeat, not its answer"
+    );
+    let again = s.post_keyed(&path, "p-2", json!({"token": 1})).await;
+    assert_eq!((again.status, &again.body), (StatusCode::OK, &beat.body));
     assert!(replayed(&again));
 }
 
@@ -302,8 +348,8 @@ async fn a_keyed_release_that_hands_the_lease_over_created_nothing_of_its_own() 
 
 stores!(a_keyed_waiter_is_handed_the_lease_in_the_release_s_commit);
 /// A waiter with a key is granted the lease by the release's transaction,
-/// which records the waiter's key with it: one durable commit for the
-/// hand-off, one for the waiter's answer.
+/// which records the waiter's key and answer with it: one durable commit
+/// for the hand-off.
 async fn a_keyed_waiter_is_handed_the_lease_in_the_release_s_commit() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let held = s.acquire_ok("idem/keyed-wait", "first").await;
@@ -327,8 +373,8 @@ async fn a_keyed_waiter_is_handed_the_lease_in_the_release_s_commit() {
     );
     assert_eq!(
         s.durable_transactions().await - before,
-        2,
-        "the release with the hand-off, and the waiter's answer"
+        1,
+        "the release with the hand-off and the waiter's answer"
     );
     let again = s.post_keyed("/v1/leases", "kw-1", body).await;
     assert_eq!((again.status, &again.body), (StatusCode::CREATED, &granted));
@@ -336,11 +382,11 @@ async fn a_keyed_waiter_is_handed_the_lease_in_the_release_s_commit() {
     assert_eq!(acquires(&s).await, 2);
 }
 
-/// On PostgreSQL a key's claim goes with the transaction's other writes,
-/// checked inside its commit: a keyed acquire costs the writer the round
-/// trips of a plain one, and one more for its answer.
+/// On PostgreSQL a key's claim and answer go with the transaction's other
+/// writes, the claim checked inside its commit: a keyed acquire costs the
+/// writer the round trips of a plain one.
 #[tokio::test]
-async fn a_keyed_acquire_on_postgres_costs_one_round_trip_more_than_a_plain_one() {
+async fn a_keyed_acquire_on_postgres_costs_the_round_trips_of_a_plain_one() {
     use crate::stores::{Store, run};
     use crate::support::metric;
     run(Store::Postgres, async {
@@ -370,7 +416,7 @@ async fn a_keyed_acquire_on_postgres_costs_one_round_trip_more_than_a_plain_one(
             assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
             keyed = keyed.min(trips().await - before);
         }
-        assert_eq!(keyed, plain + 1, "plain: {plain}");
+        assert_eq!(keyed, plain, "plain: {plain}");
     })
     .await
 }
@@ -387,7 +433,12 @@ async fn on_postgres() -> (tempfile::TempDir, Server, sqlx::PgConnection) {
 
 /// The status kept with key `u-1`.
 async fn status_kept(db: &mut sqlx::PgConnection) -> Option<i64> {
-    sqlx::query_scalar("SELECT status::bigint FROM idempotency WHERE key = 'u-1'")
+    status_kept_of(db, "u-1").await
+}
+
+async fn status_kept_of(db: &mut sqlx::PgConnection, key: &str) -> Option<i64> {
+    sqlx::query_scalar("SELECT status::bigint FROM idempotency WHERE key = $1")
+        .bind(key)
         .fetch_one(db)
         .await
         .expect("key row")
@@ -408,8 +459,9 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
             .await
             .expect("trigger");
 
-        let body = json!({"resource": "idem/unkept", "holder": "h", "ttl_ms": 60000});
-        let first = s.post_keyed("/v1/leases", "u-1", body.clone()).await;
+        // A process's requests keep their answers after their change.
+        let body = json!({"kind": "idem-unkept", "ttl_ms": 60000});
+        let first = s.post_keyed("/v1/processes", "u-1", body.clone()).await;
         assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
         assert_eq!(
             status_kept(&mut db).await,
@@ -417,7 +469,7 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
             "the answer is not kept yet"
         );
 
-        let again = s.post_keyed("/v1/leases", "u-1", body.clone()).await;
+        let again = s.post_keyed("/v1/processes", "u-1", body.clone()).await;
         assert_eq!(
             (again.status, &again.body),
             (StatusCode::CREATED, &first.body),
@@ -441,22 +493,24 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
         // Kept by the store: a restart answers it too, and nothing was done twice.
         s.kill9().await;
         let s = Server::start_in(dir.path(), &[]).await;
-        let after = s.post_keyed("/v1/leases", "u-1", body).await;
+        let after = s.post_keyed("/v1/processes", "u-1", body).await;
         assert_eq!(
             (after.status, &after.body),
             (StatusCode::CREATED, &first.body)
         );
         assert!(replayed(&after));
-        assert_eq!(acquires(&s).await, 1);
+        let listed = s.get("/v1/processes?state=all&kind=idem-unkept").await;
+        assert_eq!(listed.body["items"].as_array().map(Vec::len), Some(1));
     })
     .await
 }
 
-/// On PostgreSQL a keyed request's answer is kept by a statement of its
-/// own, which takes no part of the fleet's write lock (the row of
-/// `event_seq`): the writer runs one batch per keyed request, not two.
+/// On PostgreSQL a keyed lease request's answer is kept by its change's
+/// transaction, under the fleet's write lock (the row of `event_seq`) as
+/// every write transaction of the writer; a process's, kept after its
+/// change, by a statement of its own, which takes no part of that lock.
 #[tokio::test]
-async fn a_keyed_answer_on_postgres_is_kept_without_the_fleet_lock() {
+async fn a_keyed_answer_on_postgres_is_kept_with_its_change_or_without_the_fleet_lock() {
     use crate::stores::{Store, run};
     run(Store::Postgres, async {
         let (_dir, s, mut db) = on_postgres().await;
@@ -490,8 +544,17 @@ async fn a_keyed_answer_on_postgres_is_kept_without_the_fleet_lock() {
         );
         let renewed = s.post_keyed(&path, "alone-2", json!({"token": 1})).await;
         assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.body);
+        let process = json!({"kind": "idem-alone", "ttl_ms": 60000});
+        let registered = s.post_keyed("/v1/processes", "alone-3", process).await;
+        assert_eq!(registered.status, StatusCode::CREATED, "{}", registered.body);
+        let path = format!(
+            "/v1/processes/{}/heartbeat",
+            registered.body["id"].as_str().expect("id")
+        );
+        let beat = s.post_keyed(&path, "alone-4", json!({"token": 1})).await;
+        assert_eq!(beat.status, StatusCode::OK, "{}", beat.body);
         let noted: Vec<(Option<i64>, bool, String)> = sqlx::query_as(
-            "SELECT status, fleet_locked, sync FROM test_answers ORDER BY status DESC",
+            "SELECT status, fleet_locked, sync FROM test_answers ORDER BY status DESC, fleet_locked",
         )
         .fetch_all(&mut db)
         .await
@@ -502,8 +565,14 @@ async fn a_keyed_answer_on_postgres_is_kept_without_the_fleet_lock() {
             .collect();
         assert_eq!(
             kept,
-            [(Some(201), false, false), (Some(200), false, true)],
-            "each answer kept unlocked; the renewal's without waiting for the WAL's flush: {noted:?}"
+            [
+                (Some(201), false, false),
+                (Some(201), true, false),
+                (Some(200), false, true),
+                (Some(200), true, false),
+            ],
+            "the lease's answers with their change, the process's unlocked, the heartbeat's \
+             without waiting for the WAL's flush: {noted:?}"
         );
 
         let again = s.post_keyed("/v1/leases", "alone-1", body).await;
@@ -513,6 +582,43 @@ async fn a_keyed_answer_on_postgres_is_kept_without_the_fleet_lock() {
         );
         assert!(replayed(&again));
         assert_eq!(acquires(&s).await, 1);
+    })
+    .await
+}
+
+/// A lease request's change and its answer are one transaction: when the
+/// answer cannot be kept, neither is the change, and the client's retry
+/// finds the lease as it was.
+#[tokio::test]
+async fn a_lease_change_whose_answer_cannot_be_kept_is_not_kept_either() {
+    use crate::stores::{Store, run};
+    run(Store::Postgres, async {
+        let (_dir, s, mut db) = on_postgres().await;
+        let held = s.acquire_ok("idem/atomic", "h").await;
+        sqlx::raw_sql(REFUSE_ANSWERS)
+            .execute(&mut db)
+            .await
+            .expect("trigger");
+        let path = format!("/v1/leases/{}/release", held["id"].as_str().expect("id"));
+        let refused = s.post_keyed(&path, "a-1", json!({"token": 1})).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            refused.body
+        );
+        let lease = s.lease(held["id"].as_str().expect("id")).await;
+        assert_eq!(lease["state"], "active", "{lease}");
+
+        sqlx::query("UPDATE test_refusal SET refused = false")
+            .execute(&mut db)
+            .await
+            .expect("allow");
+        let released = s.post_keyed(&path, "a-1", json!({"token": 1})).await;
+        assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+        assert!(!replayed(&released));
+        assert_eq!(released.body["state"], "released");
+        assert_eq!(status_kept_of(&mut db, "a-1").await, Some(200));
     })
     .await
 }

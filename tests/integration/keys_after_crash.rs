@@ -139,16 +139,19 @@ async fn a_retry_after_the_server_died_mid_wait_is_done_once_afresh() {
     assert!(replayed(&again));
 }
 
-/// The server dies after a keyed acquire and a keyed renewal made their
-/// changes, before their answers were kept: the acquire's retry is refused
-/// (it would create a second lease), the renewal's is done again.
+/// The server dies after a keyed register and a keyed heartbeat made their
+/// changes, before their answers were kept (a process's requests keep
+/// theirs after the change): the register's retry is refused (it would
+/// create a second record), the heartbeat's is done again.
 #[tokio::test]
 async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_again() {
     run(Store::Postgres, async {
         use sqlx::Connection;
         let dir = tempfile::tempdir().expect("tempdir");
         let s = Server::start_in(dir.path(), &[]).await;
-        let renewed = s.acquire_ok("crash/renewed", "h").await;
+        let beating = s
+            .spawn(json!({"kind": "crash-beating", "ttl_ms": 600000}))
+            .await;
         let url = database_for(dir.path()).await;
         let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
         sqlx::raw_sql(REFUSE_ANSWERS)
@@ -156,18 +159,16 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
             .await
             .expect("trigger");
 
-        let acquire = json!({"resource": "crash/created", "holder": "h", "ttl_ms": 60000});
-        let first = s.post_keyed("/v1/leases", "c-1", acquire.clone()).await;
+        let register = json!({"kind": "crash-created", "ttl_ms": 600000});
+        let first = s.post_keyed("/v1/processes", "c-1", register.clone()).await;
         assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
-        let renew_path = format!("/v1/leases/{}/renew", renewed["id"].as_str().expect("id"));
-        let renew = json!({"token": 1, "ttl_ms": 60000});
-        let first_renewal = s.post_keyed(&renew_path, "r-1", renew.clone()).await;
-        assert_eq!(
-            first_renewal.status,
-            StatusCode::OK,
-            "{}",
-            first_renewal.body
+        let beat_path = format!(
+            "/v1/processes/{}/heartbeat",
+            beating["id"].as_str().expect("id")
         );
+        let beat = json!({"token": 1, "ttl_ms": 600000});
+        let first_beat = s.post_keyed(&beat_path, "r-1", beat.clone()).await;
+        assert_eq!(first_beat.status, StatusCode::OK, "{}", first_beat.body);
         let runs: Vec<(String, Option<String>)> =
             sqlx::query_as("SELECT key, run_id FROM idempotency WHERE status IS NULL ORDER BY key")
                 .fetch_all(&mut db)
@@ -186,25 +187,20 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
         run_of_key_gone(dir.path(), "r-1").await;
 
         let s = Server::start_in(dir.path(), &[]).await;
-        let retried = s.post_keyed("/v1/leases", "c-1", acquire).await;
+        let retried = s.post_keyed("/v1/processes", "c-1", register).await;
         assert_eq!(
             (retried.status, retried.code()),
             (StatusCode::CONFLICT, "request_in_progress"),
             "{}",
             retried.body
         );
-        let leases = s.get("/v1/leases?resource=crash/created&state=all").await;
-        assert_eq!(leases.body["items"].as_array().map(Vec::len), Some(1));
+        let listed = s.get("/v1/processes?state=all&kind=crash-created").await;
+        assert_eq!(listed.body["items"].as_array().map(Vec::len), Some(1));
 
-        let renewed_again = s.post_keyed(&renew_path, "r-1", renew).await;
-        assert_eq!(
-            renewed_again.status,
-            StatusCode::OK,
-            "{}",
-            renewed_again.body
-        );
-        assert!(!replayed(&renewed_again), "done afresh");
-        assert_eq!(renewed_again.body["token"], 1);
+        let beat_again = s.post_keyed(&beat_path, "r-1", beat).await;
+        assert_eq!(beat_again.status, StatusCode::OK, "{}", beat_again.body);
+        assert!(!replayed(&beat_again), "done afresh");
+        assert_eq!(beat_again.body["token"], 1);
     })
     .await
 }

@@ -102,8 +102,13 @@ const FUNCTION: &str = concat!(
                     u->>5, u->>6) IS DISTINCT FROM u->>2 THEN
                 RAISE EXCEPTION USING ERRCODE = 'HF001', MESSAGE = 'idempotency key held';
             END IF;
-            -- Its request created a record (`rows::key_created`).
-            IF u->>5 IS NULL THEN
+            -- Its answer, kept with the change (`rows::answer_key`), which
+            -- leaves it no run; or that its request created a record
+            -- (`rows::key_created`).
+            IF u->>7 IS NOT NULL THEN
+                UPDATE idempotency SET status = (u->>7)::bigint, content_type = u->>8,
+                    body = u->>9, run_id = NULL WHERE key = u->>0 AND request_id = u->>2;
+            ELSIF u->>5 IS NULL THEN
                 UPDATE idempotency SET run_id = NULL WHERE key = u->>0 AND request_id = u->>2;
             END IF;
         END LOOP;
@@ -598,6 +603,13 @@ impl<'c> Pipeline<'c> {
         self.queue.inserts.push(row);
     }
 
+    /// The row of `key`'s claim by `request_id`, if it is queued still.
+    fn queued_claim(&mut self, key: &str, request_id: &str) -> Option<&mut Value> {
+        self.claims
+            .iter_mut()
+            .find(|c| c[0] == key && c[2] == request_id)
+    }
+
     fn queue_token(&mut self, row: Value) {
         let resource = text_at(&row, 0);
         match self.queue.token_rows.get(&resource) {
@@ -707,12 +719,20 @@ impl Exec for Pipeline<'_> {
     }
 
     fn created_queued(&mut self, key: &str, request_id: &str) -> bool {
-        let queued = self
-            .claims
-            .iter_mut()
-            .find(|c| c[0] == key && c[2] == request_id);
         // The run's column of `claim_sql!`: none, so never taken over.
-        queued.map(|c| c[5] = Value::Null).is_some()
+        self.queued_claim(key, request_id)
+            .map(|c| c[5] = Value::Null)
+            .is_some()
+    }
+
+    fn answer_queued(&mut self, key: &str, request_id: &str, answer: (u16, &str, &str)) -> bool {
+        let Some(Value::Array(row)) = self.queued_claim(key, request_id) else {
+            return false;
+        };
+        // After `claim_sql!`'s seven parameters (see `FUNCTION`).
+        row.truncate(7);
+        row.extend([json!(answer.0), json!(answer.1), json!(answer.2)]);
+        true
     }
 
     fn guard(&mut self, checks: Vec<Check>) {
