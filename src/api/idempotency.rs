@@ -75,31 +75,37 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
     if let Some(first) = state.unkept.answer(&key) {
         return again(first, &request);
     }
-    let now = crate::time::now_ms();
-    let backend = state.store.backend();
-    let mut supersedes = None;
-    match backend.idempotent_request(&key).await {
-        Err(e) => return ApiError::from(e).into_response(),
-        Ok(Some(first)) if first.created_at >= now - crate::idempotency::KEEP_MS => {
-            match abandoned(backend, &first, &request).await {
-                Err(e) => return ApiError::from(e).into_response(),
-                Ok(true) => supersedes = Some(first.request_id),
-                Ok(false) => return again(first, &request),
-            }
-        }
-        Ok(_) => {}
-    }
-    let claim = Claim::new(key, request, supersedes, backend.run_id().to_owned());
-    let req = Request::from_parts(parts, Body::from(bytes));
+    let run_id = state.store.backend().run_id().to_owned();
     // Answered to the end even if the client goes away: its retry gets
     // this answer.
     let task = tokio::spawn(async move {
-        let res = claim.clone().scope(next.run(req)).await;
-        keep(&state, &claim, res).await
+        // The key is not read first: the request's first transaction
+        // claims it, and only a claim that finds it held reads it
+        // (`held`), to answer the repeat, or to take over the key of a
+        // run that has ended (then the request runs again, once).
+        let mut supersedes = None;
+        loop {
+            let claim = Claim::new(key.clone(), request.clone(), supersedes, run_id.clone());
+            let req = Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+            let res = claim.clone().scope(next.clone().run(req)).await;
+            match keep(&state, &claim, res).await {
+                Kept::Answer(res) => return res,
+                Kept::TakeOver(first) if claim.supersedes.is_none() => supersedes = Some(first),
+                Kept::TakeOver(_) => return ApiError::RequestInProgress.into_response(),
+            }
+        }
     });
     task.await.unwrap_or_else(|_| {
         ApiError::Internal("a request with an idempotency key panicked".into()).into_response()
     })
+}
+
+/// What a keyed request's handler left to answer.
+enum Kept {
+    Answer(Response),
+    /// The key is held by this same request (the id given), left in
+    /// progress by a run that has ended: run it again, taking the key over.
+    TakeOver(String),
 }
 
 /// Whether `first` is this same request, left in progress by a server run
@@ -120,22 +126,33 @@ async fn abandoned(
     Ok(!backend.run_alive(run_id).await?)
 }
 
-/// The answer of the request that held `claim`'s key when this one found
-/// it held, if that request was answered since: a repeat that raced it
-/// (or raced another retry to take the key over) gets that answer, not
-/// `request_in_progress`.
-async fn answered_since(state: &AppState, claim: &Claim) -> Option<Response> {
+/// What to answer a request that did not record its key: its handler
+/// answered `res` before reaching the store (a refusal of its body, say),
+/// or, with `conflict`, its claim found the key held by another request
+/// (`res` is then `409 request_in_progress`). A key recorded in the last
+/// 24 hours answers for it: the first request's answer if it was given (a
+/// repeat, or one that raced the first), or `request_in_progress`; but a
+/// first request left in progress by a run that has ended lets this one
+/// take its key over (on a conflict) or answer for itself.
+async fn stored(state: &AppState, claim: &Claim, res: Response, conflict: bool) -> Kept {
     if let Some(first) = state.unkept.answer(&claim.key) {
-        return Some(again(first, &claim.request));
+        return Kept::Answer(again(first, &claim.request));
     }
-    let first = state
-        .store
-        .backend()
-        .idempotent_request(&claim.key)
-        .await
-        .ok()??;
-    first.status?;
-    Some(again(first, &claim.request))
+    let backend = state.store.backend();
+    let Ok(Some(first)) = backend.idempotent_request(&claim.key).await else {
+        return Kept::Answer(res);
+    };
+    if first.created_at < crate::time::now_ms() - crate::idempotency::KEEP_MS {
+        return Kept::Answer(res);
+    }
+    if first.status.is_some() || first.request != claim.request {
+        return Kept::Answer(again(first, &claim.request));
+    }
+    match (abandoned(backend, &first, &claim.request).await, conflict) {
+        (Ok(true), true) => Kept::TakeOver(first.request_id),
+        (Ok(true), false) | (Err(_), _) => Kept::Answer(res),
+        (Ok(false), _) => Kept::Answer(again(first, &claim.request)),
+    }
 }
 
 /// The answer to a repeat of `first`'s key.
@@ -183,16 +200,22 @@ pub fn answer_in_tx(render: impl Fn(&dyn Any) -> Option<Response> + Send + Sync 
 
 /// Store the answer of a request that recorded its key, or let the key go
 /// when the answer is a failure of the server (the request may be retried).
-async fn keep(state: &AppState, claim: &Arc<Claim>, res: Response) -> Response {
+async fn keep(state: &AppState, claim: &Arc<Claim>, res: Response) -> Kept {
     if claim.answered() {
-        return res;
+        return Kept::Answer(res);
     }
-    if claim.held_elsewhere() && !claim.recorded() && res.status() == StatusCode::CONFLICT {
-        return answered_since(state, claim).await.unwrap_or(res);
+    // Held elsewhere, this request's claim was not kept (a claim undone
+    // with its transaction may still count as recorded).
+    let conflict = claim.held_elsewhere() && res.status() == StatusCode::CONFLICT;
+    if conflict || !claim.recorded() {
+        return stored(state, claim, res, conflict).await;
     }
-    if !claim.recorded() {
-        return res;
-    }
+    Kept::Answer(keep_answer(state, claim, res).await)
+}
+
+/// Keep the answer `res` of a request that recorded its key (and not its
+/// answer), or let the key go after a failure of the server.
+async fn keep_answer(state: &AppState, claim: &Arc<Claim>, res: Response) -> Response {
     let settle = |answer| {
         state.unkept.settle(
             &state.store,

@@ -179,6 +179,14 @@ impl Leases {
         // Held while waiting: past the cap a waiter is told `busy` at once.
         let mut permit = None;
         if !wait.is_zero() && self.waiters.queued(&cmd.resource) > 0 {
+            // A repeat of a keyed request takes no place in the queue: it
+            // is answered for its key, which another request holds.
+            if let Some(claim) = crate::idempotency::Claim::current()
+                && self.key_held_elsewhere(&claim).await?
+            {
+                claim.mark_held_elsewhere();
+                return Err(StoreError::RequestInProgress.into());
+            }
             // Others already wait for it: first come, first served, so take
             // a place behind them before trying at all.
             permit = Some(self.wait_permit()?);
@@ -247,6 +255,20 @@ impl Leases {
                 return Ok(self.handed(ticket, acquired));
             }
         }
+    }
+
+    /// Whether `claim`'s key is recorded, in the last 24 hours, for a
+    /// request other than its own and the one it takes over from.
+    async fn key_held_elsewhere(
+        &self,
+        claim: &crate::idempotency::Claim,
+    ) -> Result<bool, StoreError> {
+        let Some(first) = self.store.backend().idempotent_request(&claim.key).await? else {
+            return Ok(false);
+        };
+        let mine = first.request_id == claim.request_id
+            || claim.supersedes.as_deref() == Some(first.request_id.as_str());
+        Ok(!mine && first.created_at >= now_ms() - crate::idempotency::KEEP_MS)
     }
 
     /// The other hosts' waiters to let go first: those that came before

@@ -127,6 +127,28 @@ async fn a_repeated_request_is_answered_again_and_changes_nothing() {
     assert_eq!(next["token"], 2, "no lease was taken again");
 }
 
+stores!(a_repeat_that_would_be_refused_before_the_store_is_answered_for_its_key);
+/// A request does not read its key before it runs: its transaction claims
+/// it. A repeat that its handler refuses before reaching the store (here
+/// the owner it names has died since) still gets the first answer.
+async fn a_repeat_that_would_be_refused_before_the_store_is_answered_for_its_key() {
+    let s = Server::start().await;
+    let mut owner = crate::support::Proc::sleep();
+    let body = json!({"resource": "idem/owned", "holder": "h", "owner": {"pid": owner.pid()}});
+    let first = s.post_keyed("/v1/leases", "o-1", body.clone()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    owner.kill_and_reap().await;
+    let refused = s.post("/v1/leases", body.clone()).await;
+    assert_eq!(refused.code(), "process_not_found", "{}", refused.body);
+
+    let again = s.post_keyed("/v1/leases", "o-1", body).await;
+    assert_eq!(
+        (again.status, &again.body),
+        (StatusCode::CREATED, &first.body)
+    );
+    assert!(replayed(&again));
+}
+
 stores!(a_key_used_for_another_request_or_malformed_is_422);
 async fn a_key_used_for_another_request_or_malformed_is_422() {
     let s = Server::start().await;
