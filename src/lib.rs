@@ -174,6 +174,7 @@ impl App {
             openapi: Arc::new(api::openapi_json()),
             access,
             unkept: Arc::default(),
+            in_flight: Arc::default(),
         });
         Ok(Self { state, config })
     }

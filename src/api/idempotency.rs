@@ -4,7 +4,8 @@
 //! still being answered is `409 request_in_progress`.
 
 use std::any::Any;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -75,10 +76,16 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
     if let Some(first) = state.unkept.answer(&key) {
         return again(first, &request);
     }
+    // A repeat while the first is answered on this host: it must not run
+    // (nor wait in a queue, as the first may before its key is recorded).
+    let Some(entered) = state.in_flight.enter(&key, &request) else {
+        return in_flight_elsewhere(&state, &key, &request).await;
+    };
     let run_id = state.store.backend().run_id().to_owned();
     // Answered to the end even if the client goes away: its retry gets
     // this answer.
     let task = tokio::spawn(async move {
+        let _entered = entered;
         // The key is not read first: the request's first transaction
         // claims it, and only a claim that finds it held reads it
         // (`held`), to answer the repeat, or to take over the key of a
@@ -98,6 +105,62 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
     task.await.unwrap_or_else(|_| {
         ApiError::Internal("a request with an idempotency key panicked".into()).into_response()
     })
+}
+
+/// The keys of the keyed requests this host is answering, with their
+/// requests' text.
+#[derive(Default)]
+pub struct InFlight(Mutex<HashMap<String, String>>);
+
+/// `key` in flight until dropped.
+pub struct Entered {
+    set: Arc<InFlight>,
+    key: String,
+}
+
+impl InFlight {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, String>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Mark `key` in flight for `request`; None when it is already.
+    pub fn enter(self: &Arc<Self>, key: &str, request: &str) -> Option<Entered> {
+        let mut keys = self.lock();
+        if keys.contains_key(key) {
+            return None;
+        }
+        keys.insert(key.to_owned(), request.to_owned());
+        Some(Entered {
+            set: self.clone(),
+            key: key.to_owned(),
+        })
+    }
+}
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        self.set.lock().remove(&self.key);
+    }
+}
+
+/// The answer to `request` under `key` while another request with that
+/// key is answered on this host: its answer if the store keeps it already,
+/// else `422` for another request or `409 request_in_progress`.
+async fn in_flight_elsewhere(state: &AppState, key: &str, request: &str) -> Response {
+    if let Ok(Some(first)) = state.store.backend().idempotent_request(key).await
+        && first.status.is_some()
+    {
+        return again(first, request);
+    }
+    let other = state
+        .in_flight
+        .lock()
+        .get(key)
+        .is_some_and(|r| r != request);
+    if other {
+        return another_request();
+    }
+    ApiError::RequestInProgress.into_response()
 }
 
 /// What a keyed request's handler left to answer.
@@ -155,10 +218,14 @@ async fn stored(state: &AppState, claim: &Claim, res: Response, conflict: bool) 
     }
 }
 
+fn another_request() -> Response {
+    invalid("was used for another request (method, path or body) in the last 24 hours")
+}
+
 /// The answer to a repeat of `first`'s key.
 fn again(first: IdempotentRequest, request: &str) -> Response {
     if first.request != request {
-        return invalid("was used for another request (method, path or body) in the last 24 hours");
+        return another_request();
     }
     let Some(status) = first.status.and_then(|s| StatusCode::from_u16(s).ok()) else {
         return ApiError::RequestInProgress.into_response();

@@ -56,6 +56,8 @@ pub struct Services {
     pub access: Arc<auth::Access>,
     /// Keyed answers the store has not kept yet.
     pub unkept: Arc<unkept::Unkept>,
+    /// Keys of the keyed requests being answered.
+    pub in_flight: Arc<idempotency::InFlight>,
 }
 
 fn routes() -> OpenApiRouter<AppState> {

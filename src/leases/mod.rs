@@ -178,15 +178,10 @@ impl Leases {
         let mut ticket = None;
         // Held while waiting: past the cap a waiter is told `busy` at once.
         let mut permit = None;
+        // Whether a park before the first try has checked the key.
+        let mut key_checked = false;
         if !wait.is_zero() && self.waiters.queued(&cmd.resource) > 0 {
-            // A repeat of a keyed request takes no place in the queue: it
-            // is answered for its key, which another request holds.
-            if let Some(claim) = crate::idempotency::Claim::current()
-                && self.key_held_elsewhere(&claim).await?
-            {
-                claim.mark_held_elsewhere();
-                return Err(StoreError::RequestInProgress.into());
-            }
+            self.refuse_repeat(&mut key_checked).await?;
             // Others already wait for it: first come, first served, so take
             // a place behind them before trying at all.
             permit = Some(self.wait_permit()?);
@@ -208,6 +203,9 @@ impl Leases {
                 let since = *deferring.get_or_insert_with(Instant::now);
                 let until = deadline.min(since + remote::DEFER);
                 if Instant::now() < until {
+                    if ticket.is_none() {
+                        self.refuse_repeat(&mut key_checked).await?;
+                    }
                     if permit.is_none() {
                         permit = Some(self.wait_permit()?);
                     }
@@ -255,6 +253,22 @@ impl Leases {
                 return Ok(self.handed(ticket, acquired));
             }
         }
+    }
+
+    /// Before a keyed request queues without having tried (so without
+    /// having recorded its key): a repeat takes no place in the queue, it
+    /// is answered for its key, which another request holds. Checked once.
+    async fn refuse_repeat(&self, checked: &mut bool) -> Result<(), Error> {
+        if std::mem::replace(checked, true) {
+            return Ok(());
+        }
+        if let Some(claim) = crate::idempotency::Claim::current()
+            && self.key_held_elsewhere(&claim).await?
+        {
+            claim.mark_held_elsewhere();
+            return Err(StoreError::RequestInProgress.into());
+        }
+        Ok(())
     }
 
     /// Whether `claim`'s key is recorded, in the last 24 hours, for a

@@ -149,6 +149,57 @@ async fn a_repeat_that_would_be_refused_before_the_store_is_answered_for_its_key
     assert!(replayed(&again));
 }
 
+stores!(a_repeat_of_a_request_queued_before_it_tried_is_request_in_progress_at_once);
+/// A keyed acquire that joins a queue before it tries has recorded
+/// nothing yet; its repeat on the same host still takes no place in the
+/// queue: it is `409 request_in_progress` at once, not after its wait.
+async fn a_repeat_of_a_request_queued_before_it_tried_is_request_in_progress_at_once() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let held = s.acquire_ok("idem/queued", "first").await;
+    let (client, url) = (s.client.clone(), s.url("/v1/leases"));
+    let plain = tokio::spawn(async move {
+        let body = json!({"resource": "idem/queued", "holder": "plain", "ttl_ms": 60000, "wait_ms": 30000});
+        client
+            .post(url)
+            .json(&body)
+            .send()
+            .await
+            .expect("POST")
+            .status()
+    });
+    s.eventually("/metrics", Duration::from_secs(10), |m| {
+        m.as_str()
+            .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
+    })
+    .await;
+    let body =
+        json!({"resource": "idem/queued", "holder": "keyed", "ttl_ms": 60000, "wait_ms": 30000});
+    let first = acquire_in_background(&s, "q-1", &body);
+    s.eventually("/metrics", Duration::from_secs(10), |m| {
+        m.as_str()
+            .is_some_and(|t| t.contains("holdfast_lease_waiters 2"))
+    })
+    .await;
+    let repeat = tokio::time::timeout(
+        Duration::from_secs(10),
+        s.post_keyed("/v1/leases", "q-1", body),
+    )
+    .await
+    .expect("answered before its wait ran out");
+    assert_eq!(
+        (repeat.status, repeat.code()),
+        (StatusCode::CONFLICT, "request_in_progress"),
+        "{}",
+        repeat.body
+    );
+    let id = held["id"].as_str().expect("id");
+    let released = s.lease_op(id, "release", json!({"token": 1})).await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+    assert_eq!(plain.await.expect("join"), StatusCode::CREATED);
+    // Still waiting behind the plain waiter's lease.
+    first.abort();
+}
+
 stores!(a_key_used_for_another_request_or_malformed_is_422);
 async fn a_key_used_for_another_request_or_malformed_is_422() {
     let s = Server::start().await;

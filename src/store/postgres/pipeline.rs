@@ -107,7 +107,8 @@ const FUNCTION: &str = concat!(
             -- (`rows::key_created`).
             IF u->>7 IS NOT NULL THEN
                 UPDATE idempotency SET status = (u->>7)::bigint, content_type = u->>8,
-                    body = u->>9, run_id = NULL WHERE key = u->>0 AND request_id = u->>2;
+                    body = u->>9, run_id = NULL
+                    WHERE key = u->>0 AND request_id = u->>2 AND status IS NULL;
             ELSIF u->>5 IS NULL THEN
                 UPDATE idempotency SET run_id = NULL WHERE key = u->>0 AND request_id = u->>2;
             END IF;

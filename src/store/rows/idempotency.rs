@@ -114,7 +114,9 @@ macro_rules! relaxed {
     };
 }
 
-/// The answer of the request that holds `key`. An answered key has no run
+/// The answer of the request that holds `key`, unless it was answered
+/// already (a waiter's, kept by the release that handed it the lease,
+/// whose commit it could not learn of). An answered key has no run
 /// left: nothing takes it over, nor can a build that predates the column,
 /// replacing the row once it is stale, inherit one.
 pub async fn answer_key<E: Exec + ?Sized>(
@@ -126,7 +128,7 @@ pub async fn answer_key<E: Exec + ?Sized>(
     answer_with(
         c,
         "UPDATE idempotency SET status = $3, content_type = $4, body = $5, run_id = NULL \
-         WHERE key = $1 AND request_id = $2",
+         WHERE key = $1 AND request_id = $2 AND status IS NULL",
         key,
         request_id,
         answer,
@@ -151,11 +153,12 @@ async fn answer_with<E: Exec + ?Sized>(
     c.execute(s).await
 }
 
-/// Let `key` go, if the request `request_id` still holds it.
+/// Let `key` go, if the request `request_id` still holds it unanswered.
 pub async fn forget_key<E: Exec + ?Sized>(c: &mut E, key: &str, request_id: &str) -> Result<()> {
-    let s = Stmt::new("DELETE FROM idempotency WHERE key = $1 AND request_id = $2")
-        .text(key)
-        .text(request_id);
+    let s =
+        Stmt::new("DELETE FROM idempotency WHERE key = $1 AND request_id = $2 AND status IS NULL")
+            .text(key)
+            .text(request_id);
     c.execute(s).await
 }
 
@@ -172,12 +175,12 @@ pub async fn settle_key<E: Exec + ?Sized>(
     const ANSWER_RELAXED: &str = concat!(
         "UPDATE idempotency SET status = $3, content_type = $4, body = $5, run_id = NULL FROM ",
         relaxed!(),
-        " WHERE key = $1 AND request_id = $2"
+        " WHERE key = $1 AND request_id = $2 AND status IS NULL"
     );
     const FORGET_RELAXED: &str = concat!(
         "DELETE FROM idempotency USING ",
         relaxed!(),
-        " WHERE key = $1 AND request_id = $2"
+        " WHERE key = $1 AND request_id = $2 AND status IS NULL"
     );
     match (answer, durable) {
         (Some(a), true) => answer_key(c, key, request_id, a).await,
