@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
@@ -14,9 +14,11 @@ use utoipa_axum::routes;
 use super::AppState;
 use super::error::{ApiError, Problem};
 use super::extract::{Body, Params};
+use super::idempotency::answer_in_tx;
 use super::paging;
 use super::validate;
 use crate::model::{PortOwner, PortRecord, TokenRef};
+use crate::ports::ops::PortError;
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -121,7 +123,7 @@ pub struct PortList {
 async fn reserve_ports(
     State(state): State<AppState>,
     Body(req): Body<ReserveRequest>,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Response, ApiError> {
     if req.names.is_empty() || req.names.len() > 64 {
         return Err(ApiError::validation(
             "names",
@@ -176,18 +178,27 @@ async fn reserve_ports(
         }
         None => crate::model::DEFAULT_PORT_RANGE,
     };
+    answer_in_tx(|out| {
+        let out = out.downcast_ref::<Result<Vec<PortRecord>, PortError>>()?;
+        Some(match out {
+            Ok(reservations) => reserved_answer(reservations.clone()),
+            Err(e) => ApiError::Port(e.clone()).into_response(),
+        })
+    });
     let reservations = state.ports.reserve(owner, req.names, range).await?;
+    Ok(reserved_answer(reservations))
+}
+
+fn reserved_answer(reservations: Vec<PortRecord>) -> Response {
     let ports = reservations
         .iter()
         .map(|r| (r.name.clone(), r.port))
         .collect();
-    Ok((
-        StatusCode::CREATED,
-        Json(Reserved {
-            ports,
-            reservations,
-        }),
-    ))
+    let body = Reserved {
+        ports,
+        reservations,
+    };
+    (StatusCode::CREATED, Json(body)).into_response()
 }
 
 /// Current reservations, lowest port first.
@@ -234,5 +245,12 @@ async fn release_port(
         .parse()
         .map_err(|_| ApiError::NotFound(format!("no reservation of port {port:?}")))?;
     validate::token("token", req.token)?;
+    answer_in_tx(|out| {
+        let out = out.downcast_ref::<Result<PortRecord, PortError>>()?;
+        Some(match out {
+            Ok(released) => Json(released).into_response(),
+            Err(e) => ApiError::Port(e.clone()).into_response(),
+        })
+    });
     Ok(Json(state.ports.release(port, req.token).await?))
 }

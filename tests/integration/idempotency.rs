@@ -351,6 +351,47 @@ async fn a_keyed_lease_request_keeps_its_answer_in_its_change_s_commit() {
     assert!(replayed(&again));
 }
 
+stores!(a_keyed_port_request_keeps_its_answer_in_its_change_s_commit);
+/// A port reservation and its release keep their answers with their
+/// change, as lease requests do: one durable commit each.
+async fn a_keyed_port_request_keeps_its_answer_in_its_change_s_commit() {
+    let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
+    let lease = s.acquire_ok("idem/ports", "h").await;
+    let owner = json!({"lease": {"id": lease["id"], "token": 1}});
+    let body = json!({"names": ["http"], "owner": owner, "range": [31500, 31599]});
+    let before = s.durable_transactions().await;
+    let reserved = s.post_keyed("/v1/ports", "pr-1", body.clone()).await;
+    assert_eq!(reserved.status, StatusCode::CREATED, "{}", reserved.body);
+    assert_eq!(
+        s.durable_transactions().await - before,
+        1,
+        "the reservation, with its answer"
+    );
+    let again = s.post_keyed("/v1/ports", "pr-1", body).await;
+    assert_eq!(
+        (again.status, &again.body),
+        (StatusCode::CREATED, &reserved.body)
+    );
+    assert!(replayed(&again));
+
+    let port = reserved.body["ports"]["http"].as_u64().expect("port");
+    let path = format!("/v1/ports/{port}/release");
+    let before = s.durable_transactions().await;
+    let released = s.post_keyed(&path, "pr-2", json!({"token": 1})).await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+    assert_eq!(
+        s.durable_transactions().await - before,
+        1,
+        "the release, with its answer"
+    );
+    let again = s.post_keyed(&path, "pr-2", json!({"token": 1})).await;
+    assert_eq!(
+        (again.status, &again.body),
+        (StatusCode::OK, &released.body)
+    );
+    assert!(replayed(&again));
+}
+
 stores!(only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk);
 /// docs/durability.md: of the answers kept after their change (a
 /// process's requests), a lost one of a request that created nothing lets
