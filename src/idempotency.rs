@@ -5,7 +5,8 @@
 //! change is never kept without its key. A request that finds the key held
 //! by another request makes no change (`StoreError::RequestInProgress`).
 //! Where the handler can say what it will answer for what the transaction
-//! returns (`Claim::answer_with`: the lease and port requests), that transaction
+//! returns (`Claim::answer_with`: all but a spawn or registration, and an
+//! acquire whose wait runs out), that transaction
 //! keeps the answer too, and a change is never kept without its answer;
 //! the other requests keep theirs after the change (`api::unkept`).
 //!

@@ -17,10 +17,12 @@ use super::AppState;
 use super::auth::Caller;
 use super::error::{ApiError, Problem};
 use super::extract::{Body, Params};
+use super::idempotency::answer_in_tx;
 use super::owner::{OwnerSpec, resolve_owner};
 use super::paging;
 use super::validate::{self, NAME_MAX, TTL_MS};
 use crate::model::{Command, ProcessFilter, ProcessState, ProcessView, StateFilter, TokenRef};
+use crate::processes::ops::{Outcome, StopStart};
 use crate::processes::stop::StopParams;
 use crate::processes::{CreateRequest, DEFAULT_GRACE};
 
@@ -359,6 +361,7 @@ async fn confirm_process(
         .ok()
         .filter(|p| *p > 0)
         .ok_or_else(|| ApiError::validation("pid", "pid must be a positive process id"))?;
+    answer_process_in_tx();
     Ok(Json(
         state
             .processes
@@ -388,6 +391,7 @@ async fn heartbeat_process(
     if let Some(ttl) = req.ttl_ms {
         validate::in_range("ttl_ms", ttl, TTL_MS)?;
     }
+    answer_process_in_tx();
     Ok(Json(
         state.processes.heartbeat(id, token, req.ttl_ms).await?,
     ))
@@ -428,6 +432,7 @@ async fn stop_process(
         force: req.force.unwrap_or(true),
         reason: req.reason.unwrap_or_else(|| "stopped".into()),
     };
+    answer_process_in_tx();
     Ok(Json(state.processes.stop(id, token, params, caller).await?))
 }
 
@@ -456,12 +461,34 @@ async fn finish_process(
         FinishState::Stopped => ProcessState::Stopped,
         FinishState::Failed => ProcessState::Failed,
     };
+    answer_process_in_tx();
     Ok(Json(
         state
             .processes
             .finish(id, token, target, req.reason, req.exit_code)
             .await?,
     ))
+}
+
+/// Let the last transaction of a request on a process keep its answer
+/// (`idempotency::answer_in_tx`): the process, or a refusal, as the
+/// handler's `Json` gives it. A stop's first transaction is its last only
+/// when there is nothing to signal.
+fn answer_process_in_tx() {
+    answer_in_tx(|out| {
+        let out = match out.downcast_ref::<Outcome<ProcessView>>() {
+            Some(o) => o.as_ref(),
+            None => match out.downcast_ref::<Outcome<StopStart>>()? {
+                Ok(StopStart::Done(view)) => Ok(view),
+                Ok(StopStart::Signal(_)) => return None,
+                Err(e) => Err(e),
+            },
+        };
+        Some(match out {
+            Ok(view) => Json(view).into_response(),
+            Err(e) => ApiError::Proc(e.clone()).into_response(),
+        })
+    });
 }
 
 /// Raw output of a spawned process, from `offset`, with `X-Next-Offset`.

@@ -392,10 +392,36 @@ async fn a_keyed_port_request_keeps_its_answer_in_its_change_s_commit() {
     assert!(replayed(&again));
 }
 
+stores!(a_keyed_stop_is_answered_again_as_it_was);
+/// A stop's answer is kept by its last transaction, the one that records
+/// the end after the signal; a stop of a process already ended, by its
+/// first. Both are given again as they were, and signal nothing more.
+async fn a_keyed_stop_is_answered_again_as_it_was() {
+    let s = Server::start().await;
+    let p = s
+        .spawn(json!({"kind": "idem-stop", "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    let path = format!("/v1/processes/{}/stop", p["id"].as_str().expect("id"));
+    let body = json!({"token": 1, "grace_ms": 2000});
+    let stopped = s.post_keyed(&path, "st-1", body.clone()).await;
+    assert_eq!(stopped.status, StatusCode::OK, "{}", stopped.body);
+    assert_eq!(stopped.body["state"], "stopped", "{}", stopped.body);
+    let again = s.post_keyed(&path, "st-1", body.clone()).await;
+    assert_eq!((again.status, &again.body), (StatusCode::OK, &stopped.body));
+    assert!(replayed(&again));
+
+    let ended = s.post_keyed(&path, "st-2", body.clone()).await;
+    assert_eq!(ended.status, StatusCode::OK, "{}", ended.body);
+    let again = s.post_keyed(&path, "st-2", body).await;
+    assert_eq!((again.status, &again.body), (StatusCode::OK, &ended.body));
+    assert!(replayed(&again));
+}
+
 stores!(only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk);
 /// docs/durability.md: of the answers kept after their change (a
-/// process's requests), a lost one of a request that created nothing lets
-/// its retry be done afresh, so it is committed without an fsync.
+/// registration's, a waiter's whose wait ran out), a lost one of a request
+/// that created nothing lets its retry be done afresh, so it is committed
+/// without an fsync.
 async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let before = s.durable_transactions().await;
@@ -412,22 +438,22 @@ async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_d
         2,
         "the record and its answer"
     );
+    // A waiter whose wait runs out answers after its transactions.
+    s.acquire_ok("idem/ran-out", "first").await;
     let before = s.durable_transactions().await;
-    let path = format!(
-        "/v1/processes/{}/heartbeat",
-        registered.body["id"].as_str().expect("id")
-    );
-    let beat = s.post_keyed(&path, "p-2", json!({"token": 1})).await;
-    assert_eq!(beat.status, StatusCode::OK, "{}", beat.body);
-    // A heartbeat is durable on PostgreSQL alone, as a renewal.
-    let heartbeat = u64::from(crate::stores::current() == crate::stores::Store::Postgres);
+    let wait = json!({"resource": "idem/ran-out", "holder": "h", "ttl_ms": 60000, "wait_ms": 1000});
+    let ran_out = s.post_keyed("/v1/leases", "p-2", wait.clone()).await;
+    assert_eq!(ran_out.code(), "lease_held", "{}", ran_out.body);
     assert_eq!(
         s.durable_transactions().await - before,
-        heartbeat,
-        "the heartbeat, not its answer"
+        2,
+        "its tries (at once, and as its wait ran out), not its answer"
     );
-    let again = s.post_keyed(&path, "p-2", json!({"token": 1})).await;
-    assert_eq!((again.status, &again.body), (StatusCode::OK, &beat.body));
+    let again = s.post_keyed("/v1/leases", "p-2", wait).await;
+    assert_eq!(
+        (again.status, &again.body),
+        (StatusCode::CONFLICT, &ran_out.body)
+    );
     assert!(replayed(&again));
 }
 
@@ -619,10 +645,11 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
     .await
 }
 
-/// On PostgreSQL a keyed lease request's answer is kept by its change's
+/// On PostgreSQL a keyed lease or heartbeat request's answer is kept by its change's
 /// transaction, under the fleet's write lock (the row of `event_seq`) as
-/// every write transaction of the writer; a process's, kept after its
-/// change, by a statement of its own, which takes no part of that lock.
+/// every write transaction of the writer; a registration's or a waiter's
+/// whose wait ran out, kept after the change, by a statement of its own,
+/// which takes no part of that lock.
 #[tokio::test]
 async fn a_keyed_answer_on_postgres_is_kept_with_its_change_or_without_the_fleet_lock() {
     use crate::stores::{Store, run};
@@ -665,8 +692,11 @@ async fn a_keyed_answer_on_postgres_is_kept_with_its_change_or_without_the_fleet
             "/v1/processes/{}/heartbeat",
             registered.body["id"].as_str().expect("id")
         );
-        let beat = s.post_keyed(&path, "alone-4", json!({"token": 1})).await;
+        let beat = s.post_keyed(&path, "alone-5", json!({"token": 1})).await;
         assert_eq!(beat.status, StatusCode::OK, "{}", beat.body);
+        let wait = json!({"resource": "idem/alone", "holder": "w", "ttl_ms": 60000, "wait_ms": 1000});
+        let ran_out = s.post_keyed("/v1/leases", "alone-4", wait).await;
+        assert_eq!(ran_out.code(), "lease_held", "{}", ran_out.body);
         let noted: Vec<(Option<i64>, bool, String)> = sqlx::query_as(
             "SELECT status, fleet_locked, sync FROM test_answers ORDER BY status DESC, fleet_locked",
         )
@@ -680,13 +710,15 @@ async fn a_keyed_answer_on_postgres_is_kept_with_its_change_or_without_the_fleet
         assert_eq!(
             kept,
             [
+                (Some(409), false, true),
                 (Some(201), false, false),
                 (Some(201), true, false),
-                (Some(200), false, true),
+                (Some(200), true, false),
                 (Some(200), true, false),
             ],
-            "the lease's answers with their change, the process's unlocked, the heartbeat's \
-             without waiting for the WAL's flush: {noted:?}"
+            "the lease's and the heartbeat's answers with their change, the registration's \
+             and the waiter's unlocked, the waiter's without waiting for the WAL's flush: \
+             {noted:?}"
         );
 
         let again = s.post_keyed("/v1/leases", "alone-1", body).await;

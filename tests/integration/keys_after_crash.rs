@@ -139,19 +139,17 @@ async fn a_retry_after_the_server_died_mid_wait_is_done_once_afresh() {
     assert!(replayed(&again));
 }
 
-/// The server dies after a keyed register and a keyed heartbeat made their
-/// changes, before their answers were kept (a process's requests keep
-/// theirs after the change): the register's retry is refused (it would
-/// create a second record), the heartbeat's is done again.
+/// The server dies after a keyed register and a keyed acquire whose wait ran
+/// out made their changes, before their answers were kept (both keep theirs
+/// after the change): the register's retry is refused (it would create a
+/// second record), the waiter's is done again.
 #[tokio::test]
 async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_again() {
     run(Store::Postgres, async {
         use sqlx::Connection;
         let dir = tempfile::tempdir().expect("tempdir");
         let s = Server::start_in(dir.path(), &[]).await;
-        let beating = s
-            .spawn(json!({"kind": "crash-beating", "ttl_ms": 600000}))
-            .await;
+        s.acquire_ok("crash/held", "first").await;
         let url = database_for(dir.path()).await;
         let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
         sqlx::raw_sql(REFUSE_ANSWERS)
@@ -162,13 +160,10 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
         let register = json!({"kind": "crash-created", "ttl_ms": 600000});
         let first = s.post_keyed("/v1/processes", "c-1", register.clone()).await;
         assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
-        let beat_path = format!(
-            "/v1/processes/{}/heartbeat",
-            beating["id"].as_str().expect("id")
-        );
-        let beat = json!({"token": 1, "ttl_ms": 600000});
-        let first_beat = s.post_keyed(&beat_path, "r-1", beat.clone()).await;
-        assert_eq!(first_beat.status, StatusCode::OK, "{}", first_beat.body);
+        let wait =
+            json!({"resource": "crash/held", "holder": "h", "ttl_ms": 60000, "wait_ms": 1000});
+        let ran_out = s.post_keyed("/v1/leases", "r-1", wait.clone()).await;
+        assert_eq!(ran_out.code(), "lease_held", "{}", ran_out.body);
         let runs: Vec<(String, Option<String>)> =
             sqlx::query_as("SELECT key, run_id FROM idempotency WHERE status IS NULL ORDER BY key")
                 .fetch_all(&mut db)
@@ -197,10 +192,9 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
         let listed = s.get("/v1/processes?state=all&kind=crash-created").await;
         assert_eq!(listed.body["items"].as_array().map(Vec::len), Some(1));
 
-        let beat_again = s.post_keyed(&beat_path, "r-1", beat).await;
-        assert_eq!(beat_again.status, StatusCode::OK, "{}", beat_again.body);
-        assert!(!replayed(&beat_again), "done afresh");
-        assert_eq!(beat_again.body["token"], 1);
+        let waited_again = s.post_keyed("/v1/leases", "r-1", wait).await;
+        assert_eq!(waited_again.code(), "lease_held", "{}", waited_again.body);
+        assert!(!replayed(&waited_again), "done afresh");
     })
     .await
 }
