@@ -149,6 +149,7 @@ impl Drop for Entered {
 async fn in_flight_elsewhere(state: &AppState, key: &str, request: &str) -> Response {
     if let Ok(Some(first)) = state.store.backend().idempotent_request(key).await
         && first.status.is_some()
+        && first.kept_at(crate::time::now_ms())
     {
         return again(first, request);
     }
@@ -205,7 +206,7 @@ async fn stored(state: &AppState, claim: &Claim, res: Response, conflict: bool) 
     let Ok(Some(first)) = backend.idempotent_request(&claim.key).await else {
         return Kept::Answer(res);
     };
-    if first.created_at < crate::time::now_ms() - crate::idempotency::KEEP_MS {
+    if !first.kept_at(crate::time::now_ms()) {
         return Kept::Answer(res);
     }
     if first.status.is_some() || first.request != claim.request {

@@ -282,7 +282,7 @@ impl Leases {
         };
         let mine = first.request_id == claim.request_id
             || claim.supersedes.as_deref() == Some(first.request_id.as_str());
-        Ok(!mine && first.created_at >= now_ms() - crate::idempotency::KEEP_MS)
+        Ok(!mine && first.kept_at(now_ms()))
     }
 
     /// The other hosts' waiters to let go first: those that came before

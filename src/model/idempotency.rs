@@ -18,6 +18,14 @@ pub struct IdempotentRequest {
     pub run_id: Option<String>,
 }
 
+impl IdempotentRequest {
+    /// Whether the key is still kept at `now`: recorded within
+    /// `idempotency::KEEP_MS` (an older record is replaced by a new claim).
+    pub fn kept_at(&self, now: Millis) -> bool {
+        self.created_at >= now - crate::idempotency::KEEP_MS
+    }
+}
+
 /// What a request records under its key in each of its transactions.
 #[derive(Debug, Clone, Copy)]
 pub struct KeyClaim<'a> {
