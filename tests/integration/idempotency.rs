@@ -41,25 +41,6 @@ async fn acquires(s: &Server) -> usize {
         .count()
 }
 
-/// POST /v1/leases with `key` from a task of its own: its status and body.
-fn acquire_in_background(
-    s: &Server,
-    key: &'static str,
-    body: &serde_json::Value,
-) -> tokio::task::JoinHandle<(StatusCode, serde_json::Value)> {
-    let (client, url, body) = (s.client.clone(), s.url("/v1/leases"), body.clone());
-    tokio::spawn(async move {
-        let r = client
-            .post(url)
-            .header("idempotency-key", key)
-            .json(&body)
-            .send()
-            .await
-            .expect("POST");
-        (r.status(), r.json().await.expect("json"))
-    })
-}
-
 stores!(a_repeated_request_is_answered_again_and_changes_nothing);
 async fn a_repeated_request_is_answered_again_and_changes_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -156,30 +137,15 @@ stores!(a_repeat_of_a_request_queued_before_it_tried_is_request_in_progress_at_o
 async fn a_repeat_of_a_request_queued_before_it_tried_is_request_in_progress_at_once() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let held = s.acquire_ok("idem/queued", "first").await;
-    let (client, url) = (s.client.clone(), s.url("/v1/leases"));
-    let plain = tokio::spawn(async move {
-        let body = json!({"resource": "idem/queued", "holder": "plain", "ttl_ms": 60000, "wait_ms": 30000});
-        client
-            .post(url)
-            .json(&body)
-            .send()
-            .await
-            .expect("POST")
-            .status()
-    });
-    s.eventually("/metrics", Duration::from_secs(10), |m| {
-        m.as_str()
-            .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
-    })
-    .await;
+    let plain = s.acquire_in_background(
+        None,
+        &json!({"resource": "idem/queued", "holder": "plain", "ttl_ms": 60000, "wait_ms": 30000}),
+    );
+    s.queued(1).await;
     let body =
         json!({"resource": "idem/queued", "holder": "keyed", "ttl_ms": 60000, "wait_ms": 30000});
-    let first = acquire_in_background(&s, "q-1", &body);
-    s.eventually("/metrics", Duration::from_secs(10), |m| {
-        m.as_str()
-            .is_some_and(|t| t.contains("holdfast_lease_waiters 2"))
-    })
-    .await;
+    let first = s.acquire_in_background(Some("q-1"), &body);
+    s.queued(2).await;
     let repeat = tokio::time::timeout(
         Duration::from_secs(10),
         s.post_keyed("/v1/leases", "q-1", body),
@@ -195,7 +161,7 @@ async fn a_repeat_of_a_request_queued_before_it_tried_is_request_in_progress_at_
     let id = held["id"].as_str().expect("id");
     let released = s.lease_op(id, "release", json!({"token": 1})).await;
     assert_eq!(released.status, StatusCode::OK, "{}", released.body);
-    assert_eq!(plain.await.expect("join"), StatusCode::CREATED);
+    assert_eq!(plain.await.expect("join").0, StatusCode::CREATED);
     // Still waiting behind the plain waiter's lease.
     first.abort();
 }
@@ -249,12 +215,8 @@ async fn a_repeat_while_the_first_waits_is_request_in_progress() {
     let s = Server::start().await;
     let held = s.acquire_ok("idem/w", "first").await;
     let body = json!({"resource": "idem/w", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
-    let waiting = acquire_in_background(&s, "w", &body);
-    s.eventually("/metrics", Duration::from_secs(10), |m| {
-        m.as_str()
-            .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
-    })
-    .await;
+    let waiting = s.acquire_in_background(Some("w"), &body);
+    s.queued(1).await;
     let during = s.post_keyed("/v1/leases", "w", body.clone()).await;
     assert_eq!(
         (during.status, during.code()),
@@ -273,7 +235,7 @@ async fn concurrent_repeats_make_one_change() {
     let s = Server::start().await;
     let body = json!({"resource": "idem/race", "holder": "h", "ttl_ms": 60000});
     let tasks: Vec<_> = (0..16)
-        .map(|_| acquire_in_background(&s, "race", &body))
+        .map(|_| s.acquire_in_background(Some("race"), &body))
         .collect();
     let mut created = Vec::new();
     for t in tasks {
@@ -463,22 +425,16 @@ stores!(a_keyed_release_that_hands_the_lease_over_created_nothing_of_its_own);
 async fn a_keyed_release_that_hands_the_lease_over_created_nothing_of_its_own() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let held = s.acquire_ok("idem/handoff", "first").await;
-    let (client, url) = (s.client.clone(), s.url("/v1/leases"));
-    let waiter = tokio::spawn(async move {
-        let body = json!({"resource": "idem/handoff", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
-        let r = client.post(url).json(&body).send().await.expect("POST");
-        r.status()
-    });
-    s.eventually("/metrics", Duration::from_secs(10), |m| {
-        m.as_str()
-            .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
-    })
-    .await;
+    let waiter = s.acquire_in_background(
+        None,
+        &json!({"resource": "idem/handoff", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000}),
+    );
+    s.queued(1).await;
     let before = s.durable_transactions().await;
     let path = format!("/v1/leases/{}/release", held["id"].as_str().expect("id"));
     let released = s.post_keyed(&path, "h-1", json!({"token": 1})).await;
     assert_eq!(released.status, StatusCode::OK, "{}", released.body);
-    assert_eq!(waiter.await.expect("join"), StatusCode::CREATED);
+    assert_eq!(waiter.await.expect("join").0, StatusCode::CREATED);
     assert_eq!(
         s.durable_transactions().await - before,
         1,
@@ -495,12 +451,8 @@ async fn a_keyed_waiter_is_handed_the_lease_in_the_release_s_commit() {
     let held = s.acquire_ok("idem/keyed-wait", "first").await;
     let body =
         json!({"resource": "idem/keyed-wait", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
-    let waiting = acquire_in_background(&s, "kw-1", &body);
-    s.eventually("/metrics", Duration::from_secs(10), |m| {
-        m.as_str()
-            .is_some_and(|t| t.contains("holdfast_lease_waiters 1"))
-    })
-    .await;
+    let waiting = s.acquire_in_background(Some("kw-1"), &body);
+    s.queued(1).await;
     let before = s.durable_transactions().await;
     let id = held["id"].as_str().expect("id");
     let released = s.lease_op(id, "release", json!({"token": 1})).await;

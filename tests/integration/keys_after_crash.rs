@@ -27,14 +27,6 @@ fn post_in_background(s: &Server, path: &str, key: &'static str, body: &Value) {
     });
 }
 
-async fn waiters(s: &Server, n: u64) {
-    s.eventually("/metrics", Duration::from_secs(10), |m| {
-        m.as_str()
-            .is_some_and(|t| t.contains(&format!("holdfast_lease_waiters {n}")))
-    })
-    .await;
-}
-
 /// On PostgreSQL, wait until no session of the run that recorded `key` is
 /// left (a killed server's sessions end as the database sees its sockets
 /// close); on SQLite a run ends with its process.
@@ -76,7 +68,7 @@ async fn a_retry_after_the_server_died_mid_wait_is_done_once_afresh() {
     let held = s.acquire_ok("crash/w", "first").await;
     let body = json!({"resource": "crash/w", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
     post_in_background(&s, "/v1/leases", "w-1", &body);
-    waiters(&s, 1).await;
+    s.queued(1).await;
     let during = s.post_keyed("/v1/leases", "w-1", body.clone()).await;
     assert_eq!(
         during.code(),
@@ -215,7 +207,7 @@ async fn a_retry_on_another_host_waits_for_the_first_host_to_go() {
         let body =
             json!({"resource": "crash/fleet", "holder": "next", "ttl_ms": 60000, "wait_ms": 30000});
         post_in_background(&a, "/v1/leases", "f-1", &body);
-        waiters(&a, 1).await;
+        a.queued(1).await;
 
         let during = b.post_keyed("/v1/leases", "f-1", body.clone()).await;
         assert_eq!(

@@ -263,6 +263,32 @@ impl Server {
         }
     }
 
+    /// Until the server counts `n` waiting acquirers.
+    pub async fn queued(&self, n: usize) {
+        let line = format!("holdfast_lease_waiters {n}");
+        self.eventually("/metrics", Duration::from_secs(10), |m| {
+            m.as_str().is_some_and(|t| t.contains(&line))
+        })
+        .await;
+    }
+
+    /// POST the acquire `body` from a task of its own, with `key` as its
+    /// Idempotency-Key if given: its status and body.
+    pub fn acquire_in_background(
+        &self,
+        key: Option<&str>,
+        body: &Value,
+    ) -> tokio::task::JoinHandle<(StatusCode, Value)> {
+        let mut req = self.client.post(self.url("/v1/leases")).json(body);
+        if let Some(k) = key {
+            req = req.header("idempotency-key", k);
+        }
+        tokio::spawn(async move {
+            let r = req.send().await.expect("send");
+            (r.status(), r.json().await.expect("json"))
+        })
+    }
+
     /// Wait until the reconciler has made `n` more passes: to show that
     /// something it would do was not done.
     pub async fn reconciler_passes(&self, n: u64) {

@@ -176,25 +176,8 @@ fn waiter(
     holder: &str,
     key: Option<&str>,
 ) -> tokio::task::JoinHandle<(StatusCode, serde_json::Value)> {
-    let mut req = s.client.post(s.url("/v1/leases")).json(
-        &json!({"resource": resource, "holder": holder, "ttl_ms": 30_000, "wait_ms": 30_000}),
-    );
-    if let Some(k) = key {
-        req = req.header("idempotency-key", k);
-    }
-    tokio::spawn(async move {
-        let r = req.send().await.expect("send");
-        (r.status(), r.json().await.expect("json"))
-    })
-}
-
-/// Until the server counts `n` waiting acquirers.
-async fn queued(s: &Server, n: usize) {
-    let line = format!("holdfast_lease_waiters {n}");
-    s.eventually("/metrics", Duration::from_secs(10), |m| {
-        m.as_str().is_some_and(|t| t.contains(&line))
-    })
-    .await;
+    let body = json!({"resource": resource, "holder": holder, "ttl_ms": 30_000, "wait_ms": 30_000});
+    s.acquire_in_background(key, &body)
 }
 
 stores!(a_release_hands_the_lease_to_the_first_waiter_in_one_commit);
@@ -202,9 +185,9 @@ async fn a_release_hands_the_lease_to_the_first_waiter_in_one_commit() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let held = s.acquire_ok("h", "first").await;
     let second = waiter(&s, "h", "second", None);
-    queued(&s, 1).await;
+    s.queued(1).await;
     let third = waiter(&s, "h", "third", None);
-    queued(&s, 2).await;
+    s.queued(2).await;
     let before = s.durable_transactions().await;
     let id = held["id"].as_str().expect("id");
     let released = s.lease_op(id, "release", json!({"token": 1})).await;
@@ -232,7 +215,7 @@ async fn a_release_hands_the_lease_to_the_first_waiter_in_one_commit() {
             (Some("lease.acquired"), got["id"].as_str())
         ]
     );
-    queued(&s, 1).await; // the third still waits, for the second's lease
+    s.queued(1).await; // the third still waits, for the second's lease
     assert!(!third.is_finished());
     let rel = s
         .lease_op(
@@ -254,7 +237,7 @@ async fn a_waiter_with_an_idempotency_key_takes_the_lease_in_its_own_commit() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
     let held = s.acquire_ok("k", "first").await;
     let keyed = waiter(&s, "k", "second", Some("handoff-key-1"));
-    queued(&s, 1).await;
+    s.queued(1).await;
     let id = held["id"].as_str().expect("id");
     let released = s.lease_op(id, "release", json!({"token": 1})).await;
     assert_eq!(released.status, StatusCode::OK);
