@@ -5,10 +5,10 @@
 //! change is never kept without its key. A request that finds the key held
 //! by another request makes no change (`StoreError::RequestInProgress`).
 //! Where the handler can say what it will answer for what the transaction
-//! returns (`Claim::answer_with`: all but a spawn or registration, and an
-//! acquire whose wait runs out), that transaction
-//! keeps the answer too, and a change is never kept without its answer;
-//! the other requests keep theirs after the change (`api::unkept`).
+//! returns (`Claim::answer_with`: all but an acquire whose wait runs out,
+//! whose answer comes from no transaction), that transaction keeps the
+//! answer too, and a change is never kept without its answer; the others
+//! keep theirs after the change (`api::unkept`).
 //!
 //! A key is recorded with the server run that answers its request. If that
 //! run ends (the server killed or restarted) before the answer is stored,

@@ -21,10 +21,12 @@ use super::idempotency::answer_in_tx;
 use super::owner::{OwnerSpec, resolve_owner};
 use super::paging;
 use super::validate::{self, NAME_MAX, TTL_MS};
-use crate::model::{Command, ProcessFilter, ProcessState, ProcessView, StateFilter, TokenRef};
+use crate::model::{
+    Command, ProcessFilter, ProcessRecord, ProcessState, ProcessView, StateFilter, TokenRef,
+};
 use crate::processes::ops::{Outcome, StopStart};
 use crate::processes::stop::StopParams;
-use crate::processes::{CreateRequest, DEFAULT_GRACE};
+use crate::processes::{CreateRequest, DEFAULT_GRACE, Error as ProcessesError, SpawnFailure};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -278,16 +280,12 @@ async fn create_process(
         command,
         ports,
     };
+    answer_create_in_tx();
     let view = state
         .processes
         .create(create, crate::model::DEFAULT_PORT_RANGE, caller)
         .await?;
-    let location = format!("/v1/processes/{}", view.id);
-    Ok((
-        StatusCode::CREATED,
-        [(header::LOCATION, location)],
-        Json(view),
-    ))
+    Ok(created(view))
 }
 
 /// Get one process, its identity judged now.
@@ -468,6 +466,43 @@ async fn finish_process(
             .finish(id, token, target, req.reason, req.exit_code)
             .await?,
     ))
+}
+
+fn created(view: ProcessView) -> impl IntoResponse {
+    let location = format!("/v1/processes/{}", view.id);
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(view),
+    )
+}
+
+/// Let the last transaction of a spawn or registration keep its answer
+/// (`idempotency::answer_in_tx`), as `create_process` gives it: a
+/// registration's or a refusal's is its first, a spawn's the one that
+/// records its started child or ends its record after a failure.
+fn answer_create_in_tx() {
+    answer_in_tx(|out| {
+        if let Some(made) = out.downcast_ref::<Outcome<(ProcessRecord, BTreeMap<String, u16>)>>() {
+            return match made {
+                Err(e) => Some(ApiError::Proc(e.clone()).into_response()),
+                Ok((rec, _)) if rec.spawned => None,
+                // Without an identity: nothing to judge.
+                Ok((rec, ports)) => {
+                    let view = ProcessView::new(rec.clone(), None, ports.clone());
+                    Some(created(view).into_response())
+                }
+            };
+        }
+        if let Some(started) = out.downcast_ref::<Outcome<ProcessView>>() {
+            return Some(match started {
+                Ok(view) => created(view.clone()).into_response(),
+                Err(e) => ApiError::Proc(e.clone()).into_response(),
+            });
+        }
+        let failed = out.downcast_ref::<SpawnFailure>()?;
+        Some(ApiError::from(ProcessesError::from(failed.clone())).into_response())
+    });
 }
 
 /// Let the last transaction of a request on a process keep its answer

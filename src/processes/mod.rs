@@ -50,6 +50,29 @@ impl From<ProcError> for Error {
     }
 }
 
+/// How a spawn that failed after its record was made is answered. The
+/// transaction that ends the record returns it, so that a keyed spawn's
+/// answer is kept with that change (`idempotency::Claim::answer_with`).
+#[derive(Clone, Debug)]
+pub enum SpawnFailure {
+    /// The child's identity could not be read (it was killed).
+    Unverifiable(String),
+    /// The program could not be executed.
+    CannotExecute(String),
+}
+
+impl From<SpawnFailure> for Error {
+    fn from(f: SpawnFailure) -> Self {
+        match f {
+            SpawnFailure::Unverifiable(detail) => Self::Unverifiable(detail),
+            SpawnFailure::CannotExecute(e) => Self::Invalid {
+                field: "command.argv",
+                detail: format!("cannot execute: {e}"),
+            },
+        }
+    }
+}
+
 /// A spawn or register request, validated.
 pub struct CreateRequest {
     pub kind: String,
@@ -264,22 +287,13 @@ impl Processes {
             Ok((Ok(identity), rx)) => (identity, rx),
             Ok((Err(e), _)) => {
                 let reason = format!("spawn_failed: cannot read the child's identity: {e}");
-                let failed_id = id.clone();
-                in_tx!(self, true, |tx, cx| ops::spawn_failed(
-                    tx, cx, &failed_id, reason
-                ))?;
-                return Err(Error::Unverifiable(e.to_string()));
+                let failure = SpawnFailure::Unverifiable(e.to_string());
+                return Err(self.fail_spawn(&id, reason, failure).await);
             }
             Err(e) => {
                 let reason = format!("spawn_failed: {e}");
-                let failed_id = id.clone();
-                in_tx!(self, true, |tx, cx| ops::spawn_failed(
-                    tx, cx, &failed_id, reason
-                ))?;
-                return Err(Error::Invalid {
-                    field: "command.argv",
-                    detail: format!("cannot execute: {e}"),
-                });
+                let failure = SpawnFailure::CannotExecute(e.to_string());
+                return Err(self.fail_spawn(&id, reason, failure).await);
             }
         };
         #[cfg(test)]
@@ -325,6 +339,26 @@ impl Processes {
                 }
                 Err(e.into())
             }
+        }
+    }
+
+    /// End the record `id` of a spawn that failed: the error to answer,
+    /// `failure` once that is kept.
+    async fn fail_spawn(
+        self: &Arc<Self>,
+        id: &str,
+        reason: String,
+        failure: SpawnFailure,
+    ) -> Error {
+        let failed_id = id.to_owned();
+        let ended = in_tx!(self, true, |tx, cx| async move {
+            ops::spawn_failed(tx, cx, &failed_id, reason)
+                .await
+                .map(|()| failure)
+        });
+        match ended {
+            Ok(failure) => failure.into(),
+            Err(e) => e.into(),
         }
     }
 

@@ -289,3 +289,60 @@ fn rustix_is_root() -> bool {
         })
         .unwrap_or(false)
 }
+
+stores!(a_keyed_spawn_its_caller_cannot_execute_keeps_its_answer_with_its_end);
+/// A spawn that fails after its record was made (the program runs for
+/// root, not for the caller it would run as) keeps its `422` with the
+/// commit that ends the record: one durable commit, and the retry is given
+/// that answer rather than making a second record.
+async fn a_keyed_spawn_its_caller_cannot_execute_keeps_its_answer_with_its_end() {
+    if !rustix_is_root() {
+        eprintln!("SKIPPED: needs root to run a client as another user");
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let sock = tmp.path().join("holdfast.sock");
+    let sock_arg = sock.display().to_string();
+    let s = Server::start_with(&[
+        "--unix-socket",
+        &sock_arg,
+        "--unix-socket-mode",
+        "0666",
+        "--reconcile-interval-ms",
+        "3600000",
+    ])
+    .await;
+    let program = tmp.path().join("root-only");
+    std::fs::copy("/bin/true", &program).expect("copy");
+    std::fs::set_permissions(
+        &program,
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .expect("chmod");
+    let body = json!({"kind": "root-only", "command": {"argv": [program]}});
+    let before = s.durable_transactions().await;
+    let post = || {
+        crate::support::curl_as_with(
+            "nobody",
+            &sock,
+            "POST",
+            "/v1/processes",
+            body.clone(),
+            &["idempotency-key: cx-1"],
+        )
+    };
+    let (code, first) = post().await;
+    assert_eq!(code, 422, "{first}");
+    assert_eq!(first["field"], "command.argv", "{first}");
+    assert_eq!(
+        s.durable_transactions().await - before,
+        1,
+        "the record's end with the answer"
+    );
+    let (code, again) = post().await;
+    assert_eq!((code, &again), (422, &first));
+    let listed = s.get("/v1/processes?state=all&kind=root-only").await;
+    let items = listed.body["items"].as_array().cloned().unwrap_or_default();
+    assert_eq!(items.len(), 1, "{}", listed.body);
+    assert_eq!(items[0]["state"], "failed", "{}", listed.body);
+}

@@ -379,27 +379,37 @@ async fn a_keyed_stop_is_answered_again_as_it_was() {
     assert!(replayed(&again));
 }
 
-stores!(only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk);
-/// docs/durability.md: of the answers kept after their change (a
-/// registration's, a waiter's whose wait ran out), a lost one of a request
-/// that created nothing lets its retry be done afresh, so it is committed
-/// without an fsync.
-async fn only_the_answers_of_keyed_requests_that_created_a_record_wait_for_the_disk() {
+stores!(a_keyed_create_costs_one_durable_commit_and_a_waiter_s_late_answer_none);
+/// A keyed registration or spawn keeps its answer in its last
+/// transaction: the durable commits of a plain one. Of the answers kept
+/// after their change (a waiter's whose wait ran out), a lost one lets its
+/// retry be done afresh, which is safe for a request that created nothing,
+/// so it is committed without an fsync (docs/durability.md).
+async fn a_keyed_create_costs_one_durable_commit_and_a_waiter_s_late_answer_none() {
     let s = Server::start_with(&["--reconcile-interval-ms", "3600000"]).await;
-    let before = s.durable_transactions().await;
-    let body = json!({"kind": "idem", "ttl_ms": 60000});
-    let registered = s.post_keyed("/v1/processes", "p-1", body).await;
-    assert_eq!(
-        registered.status,
-        StatusCode::CREATED,
-        "{}",
-        registered.body
-    );
-    assert_eq!(
-        s.durable_transactions().await - before,
-        2,
-        "the record and its answer"
-    );
+    let register = json!({"kind": "idem", "ttl_ms": 60000});
+    let spawn = json!({"kind": "idem", "command": {"argv": ["sleep", "30"]}});
+    let mut made = Vec::new();
+    for (key, body) in [("p-1", &register), ("p-3", &spawn)] {
+        let before = s.durable_transactions().await;
+        let r = s.post_keyed("/v1/processes", key, body.clone()).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        assert_eq!(
+            s.durable_transactions().await - before,
+            1,
+            "{key}: the record (a spawn's started child) with its answer"
+        );
+        let again = s.post_keyed("/v1/processes", key, body.clone()).await;
+        assert_eq!((again.status, &again.body), (StatusCode::CREATED, &r.body));
+        assert!(replayed(&again));
+        made.push(r.body);
+    }
+    assert_eq!(made[1]["state"], "running", "{}", made[1]);
+    let listed = s.get("/v1/processes?state=all&kind=idem").await;
+    assert_eq!(listed.body["items"].as_array().map(Vec::len), Some(2));
+    let id = made[1]["id"].as_str().expect("id");
+    let stop = s.process_op(id, "stop", json!({"token": 1})).await;
+    assert_eq!(stop.status, StatusCode::OK, "{}", stop.body);
     // A waiter whose wait runs out answers after its transactions.
     s.acquire_ok("idem/ran-out", "first").await;
     let before = s.durable_transactions().await;
@@ -551,20 +561,22 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
             .await
             .expect("trigger");
 
-        // A process's requests keep their answers after their change.
-        let body = json!({"kind": "idem-unkept", "ttl_ms": 60000});
-        let first = s.post_keyed("/v1/processes", "u-1", body.clone()).await;
-        assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+        // A waiter whose wait runs out keeps its answer after its change.
+        s.acquire_ok("idem/unkept", "first").await;
+        let body =
+            json!({"resource": "idem/unkept", "holder": "h", "ttl_ms": 60000, "wait_ms": 500});
+        let first = s.post_keyed("/v1/leases", "u-1", body.clone()).await;
+        assert_eq!(first.code(), "lease_held", "{}", first.body);
         assert_eq!(
             status_kept(&mut db).await,
             None,
             "the answer is not kept yet"
         );
 
-        let again = s.post_keyed("/v1/processes", "u-1", body.clone()).await;
+        let again = s.post_keyed("/v1/leases", "u-1", body.clone()).await;
         assert_eq!(
             (again.status, &again.body),
-            (StatusCode::CREATED, &first.body),
+            (StatusCode::CONFLICT, &first.body),
             "the first answer, from memory"
         );
         assert!(replayed(&again));
@@ -574,7 +586,7 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
             .await
             .expect("allow");
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while status_kept(&mut db).await != Some(201) {
+        while status_kept(&mut db).await != Some(409) {
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "the answer was not kept within 30 s of the store taking writes"
@@ -585,23 +597,22 @@ async fn an_answer_the_store_cannot_keep_at_once_is_replayed_and_kept_later() {
         // Kept by the store: a restart answers it too, and nothing was done twice.
         s.kill9().await;
         let s = Server::start_in(dir.path(), &[]).await;
-        let after = s.post_keyed("/v1/processes", "u-1", body).await;
+        let after = s.post_keyed("/v1/leases", "u-1", body).await;
         assert_eq!(
             (after.status, &after.body),
-            (StatusCode::CREATED, &first.body)
+            (StatusCode::CONFLICT, &first.body)
         );
         assert!(replayed(&after));
-        let listed = s.get("/v1/processes?state=all&kind=idem-unkept").await;
-        assert_eq!(listed.body["items"].as_array().map(Vec::len), Some(1));
+        assert_eq!(acquires(&s).await, 1, "the first holder's only");
     })
     .await
 }
 
 /// On PostgreSQL a keyed lease or heartbeat request's answer is kept by its change's
 /// transaction, under the fleet's write lock (the row of `event_seq`) as
-/// every write transaction of the writer; a registration's or a waiter's
-/// whose wait ran out, kept after the change, by a statement of its own,
-/// which takes no part of that lock.
+/// every write transaction of the writer; a waiter's whose wait ran out,
+/// kept after the change, by a statement of its own, which takes no part
+/// of that lock.
 #[tokio::test]
 async fn a_keyed_answer_on_postgres_is_kept_with_its_change_or_without_the_fleet_lock() {
     use crate::stores::{Store, run};
@@ -663,13 +674,13 @@ async fn a_keyed_answer_on_postgres_is_kept_with_its_change_or_without_the_fleet
             kept,
             [
                 (Some(409), false, true),
-                (Some(201), false, false),
+                (Some(201), true, false),
                 (Some(201), true, false),
                 (Some(200), true, false),
                 (Some(200), true, false),
             ],
-            "the lease's and the heartbeat's answers with their change, the registration's \
-             and the waiter's unlocked, the waiter's without waiting for the WAL's flush: \
+            "the lease's, the registration's and the heartbeat's answers with their change, \
+             the waiter's unlocked, without waiting for the WAL's flush: \
              {noted:?}"
         );
 

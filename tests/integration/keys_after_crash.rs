@@ -131,10 +131,24 @@ async fn a_retry_after_the_server_died_mid_wait_is_done_once_afresh() {
     assert!(replayed(&again));
 }
 
-/// The server dies after a keyed register and a keyed acquire whose wait ran
-/// out made their changes, before their answers were kept (both keep theirs
-/// after the change): the register's retry is refused (it would create a
-/// second record), the waiter's is done again.
+/// Blocks the transaction that records a started child while the test's
+/// session holds advisory lock 4242: the server can be killed between a
+/// spawn's two transactions.
+const HOLD_STARTED: &str = "CREATE FUNCTION test_hold() RETURNS trigger LANGUAGE plpgsql AS $$
+     BEGIN
+         IF NEW.state = 'running' THEN
+             PERFORM pg_advisory_xact_lock(4242);
+         END IF;
+         RETURN NEW;
+     END $$;
+     CREATE TRIGGER test_hold BEFORE UPDATE ON processes
+         FOR EACH ROW EXECUTE FUNCTION test_hold();";
+
+/// The server dies in the middle of a keyed spawn (its record made, the
+/// started child not recorded yet) and after a keyed acquire whose wait
+/// ran out (which keeps its answer after its change) before that answer
+/// was kept: the spawn's retry is refused (it would create a second
+/// record), the waiter's is done again.
 #[tokio::test]
 async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_again() {
     run(Store::Postgres, async {
@@ -148,14 +162,38 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
             .execute(&mut db)
             .await
             .expect("trigger");
+        sqlx::raw_sql(HOLD_STARTED)
+            .execute(&mut db)
+            .await
+            .expect("trigger");
+        sqlx::query("SELECT pg_advisory_lock(4242)")
+            .execute(&mut db)
+            .await
+            .expect("lock");
 
-        let register = json!({"kind": "crash-created", "ttl_ms": 600000});
-        let first = s.post_keyed("/v1/processes", "c-1", register.clone()).await;
-        assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
         let wait =
             json!({"resource": "crash/held", "holder": "h", "ttl_ms": 60000, "wait_ms": 1000});
         let ran_out = s.post_keyed("/v1/leases", "r-1", wait.clone()).await;
         assert_eq!(ran_out.code(), "lease_held", "{}", ran_out.body);
+        let spawn = json!({"kind": "crash-created", "command": {"argv": ["true"]}});
+        post_in_background(&s, "/v1/processes", "c-1", &spawn);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let held: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+            )
+            .fetch_one(&mut db)
+            .await
+            .expect("locks");
+            if held > 0 {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the started child was not recorded within 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let runs: Vec<(String, Option<String>)> =
             sqlx::query_as("SELECT key, run_id FROM idempotency WHERE status IS NULL ORDER BY key")
                 .fetch_all(&mut db)
@@ -171,10 +209,23 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
             "in progress, with a run or not"
         );
         s.kill9().await;
+        // The blocked transaction would commit once the lock is let go:
+        // its session ends first, as a dead server's would.
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = \
+             'holdfast ' || (SELECT run_id FROM idempotency WHERE key = 'r-1')",
+        )
+        .execute(&mut db)
+        .await
+        .expect("terminate");
         run_of_key_gone(dir.path(), "r-1").await;
+        sqlx::query("SELECT pg_advisory_unlock(4242)")
+            .execute(&mut db)
+            .await
+            .expect("unlock");
 
         let s = Server::start_in(dir.path(), &[]).await;
-        let retried = s.post_keyed("/v1/processes", "c-1", register).await;
+        let retried = s.post_keyed("/v1/processes", "c-1", spawn).await;
         assert_eq!(
             (retried.status, retried.code()),
             (StatusCode::CONFLICT, "request_in_progress"),
@@ -182,7 +233,9 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
             retried.body
         );
         let listed = s.get("/v1/processes?state=all&kind=crash-created").await;
-        assert_eq!(listed.body["items"].as_array().map(Vec::len), Some(1));
+        let items = listed.body["items"].as_array().cloned().unwrap_or_default();
+        assert_eq!(items.len(), 1, "{}", listed.body);
+        assert_ne!(items[0]["state"], "running", "never recorded started");
 
         let waited_again = s.post_keyed("/v1/leases", "r-1", wait).await;
         assert_eq!(waited_again.code(), "lease_held", "{}", waited_again.body);

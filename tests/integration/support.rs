@@ -566,28 +566,44 @@ pub async fn curl_as(
     path: &str,
     body: Value,
 ) -> (u16, Value) {
-    let out = Command::new("runuser")
-        .args([
-            "-u",
-            user,
-            "--",
-            "curl",
-            "-s",
-            "-o",
-            "-",
-            "-w",
-            "\n%{http_code}",
-            "--unix-socket",
-        ])
-        .arg(socket)
-        .args([
-            "-X",
-            method,
-            "-H",
-            "content-type: application/json",
-            "-d",
-            &body.to_string(),
-        ])
+    curl_as_with(user, socket, method, path, body, &[]).await
+}
+
+/// `curl_as` with more request headers (`name: value`).
+pub async fn curl_as_with(
+    user: &str,
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Value,
+    headers: &[&str],
+) -> (u16, Value) {
+    let mut curl = Command::new("runuser");
+    curl.args([
+        "-u",
+        user,
+        "--",
+        "curl",
+        "-s",
+        "-o",
+        "-",
+        "-w",
+        "\n%{http_code}",
+        "--unix-socket",
+    ])
+    .arg(socket)
+    .args([
+        "-X",
+        method,
+        "-H",
+        "content-type: application/json",
+        "-d",
+        &body.to_string(),
+    ]);
+    for h in headers {
+        curl.args(["-H", h]);
+    }
+    let out = curl
         .arg(format!("http://localhost{path}"))
         .output()
         .await
