@@ -231,8 +231,15 @@ fn again(first: IdempotentRequest, request: &str) -> Response {
     let Some(status) = first.status.and_then(|s| StatusCode::from_u16(s).ok()) else {
         return ApiError::RequestInProgress.into_response();
     };
-    let mut res = Response::new(Body::from(first.body.unwrap_or_default()));
+    let body = first.body.unwrap_or_default();
+    let location = (status == StatusCode::CREATED)
+        .then(|| created_at(request, &body))
+        .flatten();
+    let mut res = Response::new(Body::from(body));
     *res.status_mut() = status;
+    if let Some(l) = location.and_then(|l| HeaderValue::from_str(&l).ok()) {
+        res.headers_mut().insert(header::LOCATION, l);
+    }
     if let Some(ct) = first
         .content_type
         .and_then(|c| HeaderValue::from_str(&c).ok())
@@ -242,6 +249,19 @@ fn again(first: IdempotentRequest, request: &str) -> Response {
     res.headers_mut()
         .insert(REPLAYED, HeaderValue::from_static("true"));
     res
+}
+
+/// The `Location` of what a `201` answer to `request` created: the
+/// collection's path and the new record's id. Not kept with the answer,
+/// it follows from it.
+fn created_at(request: &str, body: &str) -> Option<String> {
+    let target = request.lines().next()?.strip_prefix("POST ")?;
+    let path = target.split('?').next()?;
+    if !matches!(path, "/v1/leases" | "/v1/processes") {
+        return None;
+    }
+    let made: serde_json::Value = serde_json::from_str(body).ok()?;
+    Some(format!("{path}/{}", made.get("id")?.as_str()?))
 }
 
 /// Let the transaction that makes this request's change keep its answer

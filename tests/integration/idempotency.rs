@@ -32,6 +32,13 @@ pub fn replayed(r: &crate::support::Reply) -> bool {
         .is_some_and(|v| v == "true")
 }
 
+fn location(r: &crate::support::Reply) -> Option<String> {
+    r.headers
+        .get("location")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
 /// How many `lease.acquired` events the server's log holds.
 async fn acquires(s: &Server) -> usize {
     s.all_events()
@@ -56,6 +63,14 @@ async fn a_repeated_request_is_answered_again_and_changes_nothing() {
     assert_eq!(again.body, first.body, "the first answer, as it was");
     assert!(replayed(&again));
     assert_eq!(s.all_events().await.len(), events, "nothing was done again");
+    assert_eq!(
+        location(&again),
+        Some(format!(
+            "/v1/leases/{}",
+            first.body["id"].as_str().expect("id")
+        )),
+    );
+    assert_eq!(location(&again), location(&first));
 
     // A refusal is an answer like another: kept, and given again.
     let held = s
@@ -264,6 +279,9 @@ async fn a_spawn_retried_with_its_key_starts_one_process() {
     let again = s.post_keyed("/v1/processes", "spawn-1", body).await;
     assert_eq!(again.body["id"], first.body["id"]);
     assert_eq!(again.body["pid"], first.body["pid"]);
+    assert!(replayed(&again));
+    assert!(location(&first).is_some());
+    assert_eq!(location(&again), location(&first), "the same Location");
     let listed = s.get("/v1/processes?state=all").await;
     assert_eq!(
         listed.body["items"].as_array().map(Vec::len),
