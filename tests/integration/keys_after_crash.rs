@@ -27,6 +27,36 @@ fn post_in_background(s: &Server, path: &str, key: &'static str, body: &Value) {
     });
 }
 
+/// Which sessions of PostgreSQL belong to the server run that recorded
+/// key `$1`.
+const RUN_OF_KEY: &str =
+    "application_name = 'holdfast ' || (SELECT run_id FROM idempotency WHERE key = $1)";
+
+/// Poll the count that `sql` gives (with `$1` bound to `arg`, if given)
+/// until `done` holds, for 30 s at most, then panic with `failed`:
+/// PostgreSQL's sessions and locks send no event a test could await.
+async fn until_count(
+    db: &mut sqlx::PgConnection,
+    sql: &str,
+    arg: Option<&str>,
+    done: impl Fn(i64) -> bool,
+    failed: &str,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut count = sqlx::query_scalar(sql);
+        if let Some(a) = arg {
+            count = count.bind(a);
+        }
+        let n: i64 = count.fetch_one(&mut *db).await.expect("count");
+        if done(n) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{failed}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// On PostgreSQL, wait until no session of the run that recorded `key` is
 /// left (a killed server's sessions end as the database sees its sockets
 /// close); on SQLite a run ends with its process.
@@ -37,25 +67,14 @@ async fn run_of_key_gone(dir: &std::path::Path, key: &str) {
     }
     let url = database_for(dir).await;
     let mut db = sqlx::PgConnection::connect(&url).await.expect("connect");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let left: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = \
-             'holdfast ' || (SELECT run_id FROM idempotency WHERE key = $1)",
-        )
-        .bind(key)
-        .fetch_one(&mut db)
-        .await
-        .expect("sessions");
-        if left == 0 {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the killed server's sessions are still open after 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_count(
+        &mut db,
+        &format!("SELECT count(*) FROM pg_stat_activity WHERE {RUN_OF_KEY}"),
+        Some(key),
+        |left| left == 0,
+        "the killed server's sessions are still open after 30 s",
+    )
+    .await;
 }
 
 stores!(
@@ -177,23 +196,14 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
         assert_eq!(ran_out.code(), "lease_held", "{}", ran_out.body);
         let spawn = json!({"kind": "crash-created", "command": {"argv": ["true"]}});
         post_in_background(&s, "/v1/processes", "c-1", &spawn);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let held: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-            )
-            .fetch_one(&mut db)
-            .await
-            .expect("locks");
-            if held > 0 {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the started child was not recorded within 30 s"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        until_count(
+            &mut db,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+            None,
+            |waiting| waiting > 0,
+            "the started child was not recorded within 30 s",
+        )
+        .await;
         let runs: Vec<(String, Option<String>)> =
             sqlx::query_as("SELECT key, run_id FROM idempotency WHERE status IS NULL ORDER BY key")
                 .fetch_all(&mut db)
@@ -211,10 +221,10 @@ async fn after_a_crash_a_created_record_keeps_its_key_and_an_update_is_done_agai
         s.kill9().await;
         // The blocked transaction would commit once the lock is let go:
         // its session ends first, as a dead server's would.
-        sqlx::query(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = \
-             'holdfast ' || (SELECT run_id FROM idempotency WHERE key = 'r-1')",
-        )
+        sqlx::query(&format!(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {RUN_OF_KEY}"
+        ))
+        .bind("r-1")
         .execute(&mut db)
         .await
         .expect("terminate");
