@@ -64,7 +64,7 @@ pub struct Config {
     #[arg(long, env = "HOLDFAST_RECORD_RETENTION", default_value = "7d", value_parser = parse_record_retention)]
     pub record_retention: RecordRetention,
 
-    /// Directory for the SQLite database (and, later, process logs).
+    /// Directory for the SQLite database and the logs of spawned processes (`logs/`).
     /// Default: $XDG_STATE_HOME/holdfast, else ~/.local/state/holdfast.
     #[arg(long, env = "HOLDFAST_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
@@ -75,8 +75,8 @@ pub struct Config {
     #[arg(long, env = "HOLDFAST_DATABASE_URL")]
     pub database: Option<String>,
 
-    /// PostgreSQL only: connections in the server's pool (it opens two more:
-    /// one to LISTEN, one for renewals).
+    /// PostgreSQL only: connections in the server's pool (it opens three
+    /// more: the writer's, one to LISTEN, one for renewals).
     #[arg(long, env = "HOLDFAST_DATABASE_POOL_SIZE", default_value_t = 10,
           value_parser = clap::value_parser!(u32).range(2..=1000))]
     pub database_pool_size: u32,

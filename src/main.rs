@@ -5,7 +5,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use holdfast::App;
 use holdfast::config::Config;
 
@@ -38,7 +39,14 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    if let Some(serve) = matches.subcommand_matches("serve") {
+        refuse_client_flags(&matches, serve);
+    }
     match cli.command {
         Command::Openapi => {
             print!("{}", holdfast::api::openapi_json());
@@ -48,6 +56,42 @@ fn main() -> ExitCode {
         Command::Serve(config) => serve(*config),
         Command::Client(cmd) => ExitCode::from(cli::main(&cli.conn, cmd)),
         Command::Exec(args) => cli::run::gate::exec(args),
+    }
+}
+
+/// The client's connection flags are global, so clap also takes them after
+/// `serve`, where they would do nothing: `serve --token-file F` would start
+/// a server with no token at all. A usage error instead (exit 2), naming
+/// the server's own flag where there is one.
+fn refuse_client_flags(top: &ArgMatches, serve: &ArgMatches) {
+    let given = |id: &str| {
+        [top, serve]
+            .iter()
+            .any(|m| m.value_source(id) == Some(ValueSource::CommandLine))
+    };
+    let hint = [
+        (
+            "token_file",
+            "--token-file",
+            " (the server's token is --auth-token-file)",
+        ),
+        (
+            "socket",
+            "--socket",
+            " (the server's socket is --unix-socket)",
+        ),
+        ("url", "--url", " (the server's address is --listen)"),
+        ("json", "--json", ""),
+    ]
+    .into_iter()
+    .find(|(id, ..)| given(id));
+    if let Some((_, flag, hint)) = hint {
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                format!("{flag} is a client flag: `holdfast serve` does not take it{hint}"),
+            )
+            .exit();
     }
 }
 

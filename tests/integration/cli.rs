@@ -440,6 +440,21 @@ async fn cli_usage_errors_exit_2() {
     let o = out(holdfast(&["lease", "get", "../../metrics"])).await;
     assert_eq!(o.code, 2, "an id that is not one: {}", o.stderr);
     assert_error_line(&o, "usage");
+    // The connection flags are global, but a server given one would ignore
+    // it: `--token-file` would leave it with no token at all.
+    for (args, hint) in [
+        (&["serve", "--token-file", "/t"][..], "--auth-token-file"),
+        (&["--token-file", "/t", "serve"], "--auth-token-file"),
+        (&["serve", "--socket", "/s"], "--unix-socket"),
+        (&["serve", "--url", "http://127.0.0.1:1"], "--listen"),
+        (&["--json", "serve"], "client flag"),
+    ] {
+        let mut all = args.to_vec();
+        all.extend(["--listen", "127.0.0.1:0", "--data-dir", "/nonexistent/hf"]);
+        let o = out(holdfast(&all)).await;
+        assert_eq!(o.code, 2, "{all:?}: {}", o.stderr);
+        assert!(o.stderr.contains(hint), "{all:?}: {}", o.stderr);
+    }
 }
 
 #[tokio::test]
