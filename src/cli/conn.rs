@@ -26,7 +26,8 @@ pub struct ConnArgs {
     pub socket: Option<PathBuf>,
 
     /// File holding the bearer token (wins over HOLDFAST_TOKEN, the token itself)
-    #[arg(long, global = true, value_name = "FILE", env = "HOLDFAST_TOKEN_FILE")]
+    /// [env: HOLDFAST_TOKEN_FILE]
+    #[arg(long, global = true, value_name = "FILE")]
     pub token_file: Option<PathBuf>,
 
     /// Print exactly what the API answered, as JSON
@@ -42,6 +43,7 @@ pub struct Env {
     pub listen: Option<String>,
     pub unix_socket: Option<String>,
     pub token: Option<String>,
+    pub token_file: Option<String>,
 }
 
 impl Env {
@@ -53,6 +55,9 @@ impl Env {
             listen: var("HOLDFAST_LISTEN"),
             unix_socket: var("HOLDFAST_UNIX_SOCKET"),
             token: var("HOLDFAST_TOKEN"),
+            // Read here, not by clap, so that an empty one is unset, as
+            // every other variable of the client's.
+            token_file: var("HOLDFAST_TOKEN_FILE"),
         }
     }
 }
@@ -89,7 +94,8 @@ impl ConnArgs {
     }
 
     fn token(&self, env: &Env) -> Result<Option<String>, CliError> {
-        let Some(path) = &self.token_file else {
+        let from_env = env.token_file.as_ref().map(PathBuf::from);
+        let Some(path) = self.token_file.as_ref().or(from_env.as_ref()) else {
             return Ok(env.token.clone());
         };
         let text = std::fs::read_to_string(path).map_err(|e| {

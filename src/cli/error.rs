@@ -18,6 +18,8 @@ pub struct CliError {
     pub exit: u8,
     /// The problem the API answered, for callers that look into it.
     pub problem: Option<Box<Problem>>,
+    /// Nothing to print: the reader of stdout went away (`| head`).
+    quiet: bool,
 }
 
 impl CliError {
@@ -27,6 +29,7 @@ impl CliError {
             detail: detail.into(),
             exit,
             problem: None,
+            quiet: false,
         }
     }
 
@@ -37,6 +40,15 @@ impl CliError {
     /// A failure on this side: a file, an answer that does not parse.
     pub fn local(detail: impl Into<String>) -> Self {
         Self::new("local", detail, 1)
+    }
+
+    /// Writing to stdout failed: exit 1. When the reader went away (a
+    /// pipe to `head` or `grep -m1`), without a word, as a writer killed
+    /// by SIGPIPE would end; otherwise with the reason.
+    pub fn output(e: std::io::Error) -> Self {
+        let mut err = Self::local(format!("writing the output: {e}"));
+        err.quiet = e.kind() == std::io::ErrorKind::BrokenPipe;
+        err
     }
 
     pub fn usage(detail: impl Into<String>) -> Self {
@@ -61,6 +73,7 @@ impl CliError {
                 detail: problem.detail.clone(),
                 exit: exit(problem.code.as_str()),
                 problem: Some(Box::new(problem)),
+                quiet: false,
             };
         }
         // A problem of a code (or shape) this build does not know.
@@ -88,6 +101,9 @@ impl CliError {
 
     /// Print the one line that says what went wrong.
     pub fn report(&self) {
+        if self.quiet {
+            return;
+        }
         eprintln!("holdfast: {}: {}", self.code, self.detail);
     }
 }

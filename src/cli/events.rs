@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use clap::Args;
 use holdfast::api::events::EventsQuery;
-use holdfast::model::{LeaseView, PortRecord, ProcessView};
+use holdfast::model::{EventType, LeaseView, PortRecord, ProcessView};
 use hyper::Method;
 use serde::Deserialize;
 use serde_json::Value;
@@ -42,7 +42,8 @@ pub struct EventsArgs {
     #[arg(long)]
     follow: bool,
     /// Only events of this type (lease.broken, process.exited, ...); repeatable
-    #[arg(long = "type", value_name = "TYPE")]
+    #[arg(long = "type", value_name = "TYPE",
+          value_parser = clap::builder::PossibleValuesParser::new(EventType::ALL.map(EventType::as_str)))]
     types: Vec<String>,
 }
 
@@ -54,7 +55,7 @@ pub async fn run(a: EventsArgs, client: &Client, json: bool) -> Result<(), CliEr
             Some(after) => after,
             None => newest_seq(client).await?,
         };
-        return follow(client, after, &a.types, json).await;
+        return super::follow::until_reader_gone(follow(client, after, &a.types, json)).await;
     }
     let mut after = a.after.unwrap_or(0);
     let mut pages: Vec<String> = Vec::new();
@@ -76,8 +77,8 @@ pub async fn run(a: EventsArgs, client: &Client, json: bool) -> Result<(), CliEr
         // One page unfiltered is what the API answered; otherwise the
         // items of every page, in the same shape.
         match (pages.as_slice(), a.types.is_empty()) {
-            ([one], true) => print_json_text(one),
-            _ => print_json_text(&serde_json::json!({ "items": items }).to_string()),
+            ([one], true) => print_json_text(one)?,
+            _ => print_json_text(&serde_json::json!({ "items": items }).to_string())?,
         }
         return Ok(());
     }
@@ -86,7 +87,7 @@ pub async fn run(a: EventsArgs, client: &Client, json: bool) -> Result<(), CliEr
         let e: Event = parse(e)?;
         t.row(cells(&e));
     }
-    t.print();
+    t.print()?;
     Ok(())
 }
 
@@ -139,26 +140,27 @@ async fn follow(
     types: &[String],
     json: bool,
 ) -> Result<(), CliError> {
-    let mut failures = 0;
+    let mut reconnect = super::follow::Reconnect::default();
     loop {
-        let opened = client
-            .open(
-                Method::GET,
-                &format!("/v1/events?after={after}"),
-                None,
-                &[("accept", "text/event-stream".into())],
-            )
-            .await;
-        let res = match opened {
-            Ok(res) => success(res).await?,
-            Err(e) if e.exit == super::error::EXIT_UNREACHABLE && failures < 5 => {
-                failures += 1;
-                tokio::time::sleep(Duration::from_secs(1)).await;
+        let opened = async {
+            let res = client
+                .open(
+                    Method::GET,
+                    &format!("/v1/events?after={after}"),
+                    None,
+                    &[("accept", "text/event-stream".into())],
+                )
+                .await?;
+            success(res).await
+        };
+        let res = match opened.await {
+            Ok(res) => res,
+            Err(e) => {
+                reconnect.after(e).await?;
                 continue;
             }
-            Err(e) => return Err(e),
         };
-        failures = 0;
+        reconnect.connected();
         let mut reader = sse::Reader::new(res.into_body());
         while let Ok(Some(msg)) = reader.next().await {
             if msg.event == "error" {
@@ -174,13 +176,13 @@ async fn follow(
                 continue;
             }
             if json {
-                print_json_text(&msg.data);
+                print_json_text(&msg.data)?;
             } else {
                 let c = cells(&parse(v)?);
                 super::table::print_text(&format!(
                     "{:>6}  {}  {:<18}  {}\n",
                     c[0], c[1], c[2], c[3]
-                ));
+                ))?;
             }
         }
     }

@@ -61,8 +61,8 @@ impl Answer {
     }
 
     /// The body as the server sent it, for `--json`.
-    pub fn print_raw(&self) {
-        super::table::print_json_text(&String::from_utf8_lossy(&self.body));
+    pub fn print_raw(&self) -> Result<(), CliError> {
+        super::table::print_json_text(&String::from_utf8_lossy(&self.body))
     }
 }
 

@@ -153,9 +153,9 @@ pub fn pid_owner(pid: i64) -> OwnerSpec {
 
 fn show_one(answer: &Answer, json: bool) -> Result<(), CliError> {
     if json {
-        answer.print_raw();
+        answer.print_raw()?;
     } else {
-        table(&[answer.json::<LeaseView>()?]).print();
+        table(&[answer.json::<LeaseView>()?]).print()?;
     }
     Ok(())
 }
@@ -173,16 +173,16 @@ async fn acquire_cmd(a: AcquireArgs, client: &Client, json: bool) -> Result<(), 
     };
     let answer = acquire(client, &mut req, a.wait, a.conflict_exit_code).await?;
     if json {
-        answer.print_raw();
+        answer.print_raw()?;
         return Ok(());
     }
     let acquired: AcquireResponse = answer.json()?;
-    table(std::slice::from_ref(&acquired.lease)).print();
+    table(std::slice::from_ref(&acquired.lease)).print()?;
     if let Some(r) = acquired.reclaimed {
-        println!(
-            "took over from lease {} (token {}): {}",
+        super::table::print_text(&format!(
+            "took over from lease {} (token {}): {}\n",
             r.id, r.token, r.reason
-        );
+        ))?;
     }
     Ok(())
 }
@@ -250,9 +250,9 @@ async fn list_cmd(a: ListArgs, client: &Client, json: bool) -> Result<(), CliErr
     };
     let listing = list::fetch::<LeaseView>(client, "/v1/leases", &query, a.all).await?;
     if json {
-        super::table::print_json_text(&listing.json);
+        super::table::print_json_text(&listing.json)?;
     } else {
-        table(&listing.items).print();
+        listing.print_table(&table(&listing.items))?;
     }
     Ok(())
 }

@@ -7,11 +7,30 @@ use serde_json::{Value, json};
 
 use super::error::CliError;
 use super::http::Client;
+use super::table::Table;
 
 pub struct Listing<T> {
     /// What `--json` prints.
     pub json: String,
     pub items: Vec<T>,
+    /// Without `--all`: whether the server has more than this page.
+    pub more: bool,
+}
+
+impl<T> Listing<T> {
+    /// `table` of the items for people, and on stderr, when the page was
+    /// not the last, how to see the rest: a page ends at 100 records, and a
+    /// table that just stops there reads as the whole list.
+    pub fn print_table(&self, table: &Table) -> Result<(), CliError> {
+        table.print()?;
+        if self.more {
+            eprintln!(
+                "holdfast: the first {} only; --all lists every page",
+                self.items.len()
+            );
+        }
+        Ok(())
+    }
 }
 
 pub async fn fetch<T: DeserializeOwned>(
@@ -39,6 +58,7 @@ pub async fn fetch<T: DeserializeOwned>(
     let first = client.get(&url(None)).await?;
     let mut page: Value = first.json()?;
     let mut items = take_items(&mut page)?;
+    let more = !all && page["next_cursor"].is_string();
     let json = if all {
         while let Some(cursor) = page["next_cursor"].as_str().map(str::to_owned) {
             page = client.get(&url(Some(&cursor))).await?.json()?;
@@ -50,7 +70,7 @@ pub async fn fetch<T: DeserializeOwned>(
     };
     let items = serde_json::from_value(Value::Array(items))
         .map_err(|e| CliError::local(format!("the server's list does not parse: {e}")))?;
-    Ok(Listing { json, items })
+    Ok(Listing { json, items, more })
 }
 
 fn take_items(page: &mut Value) -> Result<Vec<Value>, CliError> {

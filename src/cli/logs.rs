@@ -7,7 +7,8 @@ use clap::Args;
 use holdfast::api::processes::{LogsQuery, Stream};
 use holdfast::model::ProcessView;
 
-use super::error::{CliError, EXIT_UNREACHABLE};
+use super::error::CliError;
+use super::follow::{Reconnect, until_reader_gone};
 use super::http::Client;
 use super::parse;
 
@@ -33,37 +34,54 @@ pub async fn run(a: LogsArgs, client: &Client) -> Result<(), CliError> {
     } else {
         Stream::Stdout
     };
+    if !a.follow {
+        let mut offset = 0;
+        while let n @ 1.. = read_from(client, id, stream, offset).await? {
+            offset += n;
+        }
+        return Ok(());
+    }
+    until_reader_gone(follow(client, id, stream)).await
+}
+
+/// New output as it is written, from the last offset read, until the
+/// process has ended and all it wrote is out.
+async fn follow(client: &Client, id: &str, stream: Stream) -> Result<(), CliError> {
     let mut offset = 0;
-    let mut failures = 0;
+    let mut reconnect = Reconnect::default();
     loop {
-        let read = read_from(client, id, stream, offset).await;
-        let got = match read {
-            Ok(n) => n,
-            Err(e) if a.follow && e.exit == EXIT_UNREACHABLE && failures < 5 => {
-                failures += 1;
-                tokio::time::sleep(Duration::from_secs(1)).await;
+        match step(client, id, stream, &mut offset).await {
+            Ok(true) => return Ok(()),
+            Ok(false) => reconnect.connected(),
+            Err(e) => {
+                reconnect.after(e).await?;
                 continue;
             }
-            Err(e) => return Err(e),
-        };
-        failures = 0;
-        offset += got;
-        if got > 0 {
-            continue;
-        }
-        if !a.follow {
-            return Ok(());
-        }
-        let p: ProcessView = client.get(&format!("/v1/processes/{id}")).await?.json()?;
-        if !p.state.is_current() {
-            // It has ended: what it wrote before is all there is, once read.
-            while let n @ 1.. = read_from(client, id, stream, offset).await? {
-                offset += n;
-            }
-            return Ok(());
         }
         tokio::time::sleep(FOLLOW_EVERY).await;
     }
+}
+
+/// Print what the log holds past `offset`; true once the process has ended
+/// and nothing more is left.
+async fn step(
+    client: &Client,
+    id: &str,
+    stream: Stream,
+    offset: &mut i64,
+) -> Result<bool, CliError> {
+    while let n @ 1.. = read_from(client, id, stream, *offset).await? {
+        *offset += n;
+    }
+    let p: ProcessView = client.get(&format!("/v1/processes/{id}")).await?.json()?;
+    if p.state.is_current() {
+        return Ok(false);
+    }
+    // It has ended: what it wrote before is all there is, once read.
+    while let n @ 1.. = read_from(client, id, stream, *offset).await? {
+        *offset += n;
+    }
+    Ok(true)
 }
 
 /// Copy what the log holds from `offset` (up to a chunk) to stdout.
@@ -85,6 +103,6 @@ async fn read_from(
     let mut out = std::io::stdout().lock();
     out.write_all(&answer.body)
         .and_then(|()| out.flush())
-        .map_err(|e| CliError::local(format!("writing the output: {e}")))?;
+        .map_err(CliError::output)?;
     Ok(i64::try_from(answer.body.len()).unwrap_or(0))
 }

@@ -7,6 +7,7 @@ mod conn;
 mod duration;
 mod error;
 mod events;
+mod follow;
 mod http;
 mod lease;
 mod list;

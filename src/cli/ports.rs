@@ -30,7 +30,7 @@ pub async fn run(cmd: PortsCmd, client: &Client, json: bool) -> Result<(), CliEr
     };
     let listing = list::fetch::<PortRecord>(client, "/v1/ports", &query, a.all).await?;
     if json {
-        super::table::print_json_text(&listing.json);
+        super::table::print_json_text(&listing.json)?;
         return Ok(());
     }
     let mut t = Table::new(&["PORT", "NAME", "OWNER", "RESERVED"]);
@@ -46,6 +46,6 @@ pub async fn run(cmd: PortsCmd, client: &Client, json: bool) -> Result<(), CliEr
             local_time(p.reserved_at),
         ]);
     }
-    t.print();
+    listing.print_table(&t)?;
     Ok(())
 }

@@ -76,9 +76,9 @@ pub async fn ps(a: PsArgs, client: &Client, json: bool) -> Result<(), CliError> 
     };
     let listing = list::fetch::<ProcessView>(client, "/v1/processes", &query, a.all).await?;
     if json {
-        super::table::print_json_text(&listing.json);
+        super::table::print_json_text(&listing.json)?;
     } else {
-        table(&listing.items).print();
+        listing.print_table(&table(&listing.items))?;
     }
     Ok(())
 }
@@ -132,9 +132,9 @@ pub async fn stop(a: StopArgs, client: &Client, json: bool) -> Result<(), CliErr
 
 fn show_one(answer: &Answer, json: bool) -> Result<(), CliError> {
     if json {
-        answer.print_raw();
+        answer.print_raw()?;
     } else {
-        table(&[answer.json::<ProcessView>()?]).print();
+        table(&[answer.json::<ProcessView>()?]).print()?;
     }
     Ok(())
 }

@@ -5,6 +5,8 @@ use std::io::Write;
 use chrono::{Local, TimeZone};
 use holdfast::time::Millis;
 
+use super::error::CliError;
+
 pub struct Table {
     header: Vec<&'static str>,
     rows: Vec<Vec<String>>,
@@ -47,23 +49,50 @@ impl Table {
         out
     }
 
-    pub fn print(&self) {
-        print_text(&self.render());
+    pub fn print(&self) -> Result<(), CliError> {
+        print_text(&self.render())
     }
 }
 
-/// Write to stdout; a closed pipe (`| head`) ends the output quietly.
-pub fn print_text(text: &str) {
+/// Write to stdout. Output that reached nowhere (a full disk, a closed
+/// stdout) fails the command: an acquire whose id and token were never
+/// written must not exit 0 (`CliError::output`).
+pub fn print_text(text: &str) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
-    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(CliError::output)
+}
+
+/// Resolves once nobody reads stdout any more: the pipe's reader closed
+/// its end (`| grep -m1`). A follower waiting for the next event would
+/// otherwise learn it only at its next write, which may never come. Never
+/// resolves where that cannot be watched (a file, /dev/null).
+#[allow(unsafe_code)]
+pub async fn reader_gone() -> CliError {
+    use std::os::fd::AsFd;
+    use tokio::io::Interest;
+    use tokio::io::unix::AsyncFd;
+    if let Ok(fd) = std::io::stdout().as_fd().try_clone_to_owned() {
+        // SAFETY: the AsyncFd owns this duplicate, so the descriptor stays
+        // open, and is not reused, for as long as it is registered.
+        let registered = unsafe { AsyncFd::register_with_interest(fd, Interest::ERROR) };
+        // A pipe's write end reports an error (EPOLLERR) once its reader is gone.
+        if let Ok(fd) = registered
+            && fd.ready(Interest::ERROR).await.is_ok()
+        {
+            return CliError::output(std::io::ErrorKind::BrokenPipe.into());
+        }
+    }
+    std::future::pending().await
 }
 
 /// A JSON document on a line of its own.
-pub fn print_json_text(text: &str) {
+pub fn print_json_text(text: &str) -> Result<(), CliError> {
     if text.ends_with('\n') {
-        print_text(text);
+        print_text(text)
     } else {
-        print_text(&format!("{text}\n"));
+        print_text(&format!("{text}\n"))
     }
 }
 

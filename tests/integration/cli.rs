@@ -329,6 +329,17 @@ async fn cli_list_all_joins_every_page() {
     assert_eq!(ids.len(), 105, "no lease twice");
     let people = ok(hf(&s, "lease list --all")).await;
     assert_eq!(people.stdout.lines().count(), 106);
+    assert_eq!(people.stderr, "", "every page shown: nothing more to say");
+    // One page for people says that it is one.
+    let page = ok(hf(&s, "lease list")).await;
+    assert_eq!(page.stdout.lines().count(), 101);
+    assert!(
+        page.stderr
+            .contains("the first 100 only; --all lists every page"),
+        "{}",
+        page.stderr
+    );
+    assert_eq!(ok(hf(&s, "lease list --json")).await.stderr, "");
 }
 
 #[tokio::test]
@@ -427,6 +438,7 @@ async fn cli_usage_errors_exit_2() {
         &["run", "--lease", "r"],
         &["run", "--lease", "r", "--grace", "5d", "--", "true"],
         &["run", "--", "true"],
+        &["events", "--type", "lease.relased"],
         &["frobnicate"],
     ] {
         let o = out(holdfast(args)).await;
@@ -567,6 +579,11 @@ async fn cli_tokens_from_file_or_environment_the_file_wins() {
     c.env("HOLDFAST_TOKEN_FILE", &wrong)
         .env("HOLDFAST_TOKEN", "s3cret");
     assert_eq!(out(c).await.code, 1, "the file wins, even when it is wrong");
+    // An empty variable is an unset one, as HOLDFAST_URL's is.
+    let mut c = hf(&s, "lease list");
+    c.env("HOLDFAST_TOKEN_FILE", "")
+        .env("HOLDFAST_TOKEN", "s3cret");
+    ok(c).await;
 }
 
 #[tokio::test]
@@ -810,6 +827,102 @@ async fn cli_events_read_filtered_and_followed() {
         first.contains("lease.acquired") && first.contains("ev/a"),
         "{first}"
     );
+}
+
+#[tokio::test]
+async fn cli_followers_wait_out_a_server_that_is_down() {
+    // Over the Unix socket, so that the server started again answers where
+    // the first did.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("hf.sock");
+    let sock = sock.to_str().expect("utf-8 path");
+    let args = ["--unix-socket", sock];
+    let s = Server::start_in(dir.path(), &args).await;
+    s.acquire_ok("down/1", "h").await;
+    let mut follower = holdfast(&[
+        "--socket", sock, "events", "--follow", "--json", "--after", "0",
+    ])
+    .spawn()
+    .expect("spawn");
+    let mut lines = BufReader::new(follower.stdout.take().expect("stdout")).lines();
+    let mut said = BufReader::new(follower.stderr.take().expect("stderr")).lines();
+    let next = |line: Option<String>| line.expect("a line");
+    let first = tokio::time::timeout(LIMIT, lines.next_line()).await;
+    assert!(next(first.expect("in time").expect("read")).contains("down/1"));
+
+    s.kill9().await;
+    let note = tokio::time::timeout(LIMIT, said.next_line()).await;
+    let note = next(note.expect("in time").expect("read"));
+    assert!(note.contains("trying again until interrupted"), "{note}");
+    // Longer than any one call's retries (and than the five seconds this
+    // follower once gave up after): what is tested is time passing.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        follower.try_wait().expect("try_wait").is_none(),
+        "the follower gave up"
+    );
+
+    let s = Server::start_in(dir.path(), &args).await;
+    s.acquire_ok("down/2", "h").await;
+    let line = tokio::time::timeout(LIMIT, lines.next_line()).await;
+    let line = next(line.expect("in time").expect("read"));
+    let ev: Value = serde_json::from_str(&line).expect("one event per line");
+    assert_eq!(
+        ev["lease"]["resource"], "down/2",
+        "from the last seq seen: {ev}"
+    );
+    let back = tokio::time::timeout(LIMIT, said.next_line()).await;
+    assert_eq!(
+        next(back.expect("in time").expect("read")),
+        "holdfast: connected again"
+    );
+}
+
+#[tokio::test]
+async fn cli_followers_end_when_their_reader_does() {
+    let s = Server::start().await;
+    s.acquire_ok("gone/1", "h").await;
+    let p = s
+        .spawn(json!({"kind": "talker", "ttl_ms": 60000,
+            "command": {"argv": ["sh", "-c", "echo hello; exec sleep 60"]}}))
+        .await;
+    let logs = format!("logs {} --follow", id(&p));
+    for line in ["events --follow --after 0", logs.as_str()] {
+        let mut follower = hf(&s, line).spawn().expect("spawn");
+        let mut lines = BufReader::new(follower.stdout.take().expect("stdout")).lines();
+        let first = tokio::time::timeout(LIMIT, lines.next_line()).await;
+        assert!(first.expect("in time").expect("read").is_some(), "{line}");
+        // The reader goes away (as `| head -1` would) while nothing new is
+        // written: the follower learns it from the pipe, not from a write.
+        drop(lines);
+        let o = finish(follower).await;
+        assert_eq!(o.code, 1, "{line}: {}", o.stderr);
+        assert_eq!(
+            o.stderr, "",
+            "{line}: quietly, as a writer killed by SIGPIPE"
+        );
+    }
+    let stopped = s
+        .process_op(&id(&p), "stop", json!({"token": p["token"], "grace_ms": 0}))
+        .await;
+    assert_eq!(stopped.status, StatusCode::OK, "{}", stopped.body);
+}
+
+#[tokio::test]
+async fn cli_output_that_reaches_nowhere_fails_the_command() {
+    let s = Server::start().await;
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full");
+    let mut cmd = hf(&s, "--json lease acquire full/1 --holder me --ttl 1m");
+    cmd.stdout(full);
+    let o = out(cmd).await;
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert_error_line(&o, "local");
+    assert!(o.stderr.contains("writing the output"), "{}", o.stderr);
+    // The lease was taken all the same: the caller learns it did not see it.
+    assert_eq!(lease_of(&s, "full/1").await["state"], "active");
 }
 
 // ---- holdfast run ----------------------------------------------------------

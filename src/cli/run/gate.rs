@@ -44,7 +44,10 @@ pub fn exec(a: ExecArgs) -> ExitCode {
     let err = std::process::Command::new(program)
         .args(&a.argv[1..])
         .exec();
-    eprintln!("holdfast: cannot run {}: {err}", program.to_string_lossy());
+    eprintln!(
+        "holdfast: local: cannot run {}: {err}",
+        program.to_string_lossy()
+    );
     // As shells and env(1) say it: 127 not found, 126 found but not runnable.
     ExitCode::from(if err.kind() == std::io::ErrorKind::NotFound {
         127

@@ -61,15 +61,13 @@ pub async fn wait_until_stopped(
             previous.resource
         );
         if tokio::time::Instant::now() >= deadline {
-            return Err(CliError {
-                code: "previous_running".into(),
-                detail: format!(
-                    "{what} is still {}; the command was not started",
-                    p.state.as_str()
-                ),
-                exit: conflict,
-                problem: None,
-            });
+            let mut e = CliError::local(format!(
+                "{what} is still {}; the command was not started",
+                p.state.as_str()
+            ));
+            e.code = "previous_running".into();
+            e.exit = conflict;
+            return Err(e);
         }
         if !said {
             said = true;

@@ -1,0 +1,57 @@
+//! What a follower (`events --follow`, `logs --follow`) does when the server
+//! goes away. It streams "until interrupted" (CLI.md), so a restart or an
+//! outage of any length is waited out, not turned into exit 69; and it
+//! ends as soon as nobody reads its output.
+
+use std::future::Future;
+use std::time::Duration;
+
+use super::error::{CliError, EXIT_UNREACHABLE};
+use super::table::reader_gone;
+
+/// The longest wait between two tries.
+const MAX_PAUSE: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+pub struct Reconnect {
+    failures: u32,
+}
+
+impl Reconnect {
+    /// After a failed call: Ok once it is time to try again, when the
+    /// server could not be reached (or stayed `busy`); any other error
+    /// ends the follower. Says so on stderr once per outage.
+    pub async fn after(&mut self, e: CliError) -> Result<(), CliError> {
+        if e.exit != EXIT_UNREACHABLE {
+            return Err(e);
+        }
+        if self.failures == 0 {
+            eprintln!(
+                "holdfast: {}: {}; trying again until interrupted",
+                e.code, e.detail
+            );
+        }
+        self.failures += 1;
+        let pause = Duration::from_millis(250).saturating_mul(self.failures);
+        tokio::time::sleep(pause.min(MAX_PAUSE)).await;
+        Ok(())
+    }
+
+    /// A call went through: the outage, if any, is over.
+    pub fn connected(&mut self) {
+        if self.failures > 0 {
+            eprintln!("holdfast: connected again");
+        }
+        self.failures = 0;
+    }
+}
+
+/// `follower`, ended early (exit 1, no message) once stdout's reader is gone.
+pub async fn until_reader_gone(
+    follower: impl Future<Output = Result<(), CliError>>,
+) -> Result<(), CliError> {
+    tokio::select! {
+        done = follower => done,
+        gone = reader_gone() => Err(gone),
+    }
+}
