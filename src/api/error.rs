@@ -427,13 +427,14 @@ impl IntoResponse for ApiError {
     }
 }
 
-pub fn problem(
+/// A problem's JSON (`Problem`), for a response or an event stream's `error`.
+pub fn problem_body(
     status: StatusCode,
     code: Code,
     title: &str,
     detail: &str,
     ext: Map<String, Value>,
-) -> Response {
+) -> Value {
     let mut body = Map::new();
     body.insert("type".into(), json!("about:blank"));
     body.insert("title".into(), json!(title));
@@ -441,7 +442,18 @@ pub fn problem(
     body.insert("code".into(), json!(code.as_str()));
     body.insert("detail".into(), json!(detail));
     body.extend(ext);
-    let mut res = (status, Value::Object(body).to_string()).into_response();
+    Value::Object(body)
+}
+
+pub fn problem(
+    status: StatusCode,
+    code: Code,
+    title: &str,
+    detail: &str,
+    ext: Map<String, Value>,
+) -> Response {
+    let body = problem_body(status, code, title, detail, ext);
+    let mut res = (status, body.to_string()).into_response();
     let headers = res.headers_mut();
     headers.insert(
         header::CONTENT_TYPE,

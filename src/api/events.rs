@@ -1,7 +1,7 @@
 //! `/v1/events`: the ordered log of every state change.
 
 use axum::extract::State;
-use axum::http::{HeaderMap, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -10,7 +10,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
-use super::error::{ApiError, Problem};
+use super::error::{ApiError, Code, Problem, problem_body};
 use super::extract::Params;
 use super::validate;
 use crate::events::ReadError;
@@ -50,7 +50,7 @@ pub struct StreamQuery {
 
 /// One state change, with the whole record as it is after the change:
 /// exactly one of `lease`, `process` and `port` is set.
-#[derive(Debug, ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 #[allow(dead_code)] // documents the stored JSON; the server never builds one
 pub struct Event {
     #[schema(minimum = 1, example = 981)]
@@ -68,16 +68,21 @@ pub struct Event {
     pub detail: Option<()>,
 }
 
-/// One Server-Sent Events message: `data` is an Event as JSON, or, with
-/// `event: error`, a problem (`events_pruned`, `unavailable`) that ends the stream.
-#[derive(Debug, ToSchema)]
-#[allow(dead_code)] // documents the stream, which axum's Sse writes
-pub struct SseMessage {
-    /// The event's `seq`.
-    pub id: Option<String>,
-    /// The event's `type`, or `error`.
-    pub event: String,
-    pub data: String,
+// Generators take the schema of a `text/event-stream` response for the
+// type of each message's `data` (OpenAPI 3.2's `itemSchema` says so
+// outright), not of its frame: a schema of `{id, event, data: string}` had
+// a generated TypeScript client (@hey-api/openapi-ts, validating) refuse
+// every event.
+/// The `data` of one Server-Sent Events message, as JSON: an Event (the
+/// message's `id` is its `seq`, its `event` its `type`), or, in a message
+/// whose `event` is `error`, the problem (`events_pruned`, `unavailable`)
+/// that ends the stream.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code, clippy::large_enum_variant)] // documents the stream, which axum's Sse writes
+pub enum SseData {
+    Event(Event),
+    Error(Problem),
 }
 
 #[derive(Debug, ToSchema)]
@@ -163,7 +168,7 @@ async fn list_events(
         ("Last-Event-ID" = Option<String>, Header, nullable = false, pattern = "^[0-9]{0,18}$", description = "Resume after this seq (the `id` of the last message read); overrides `after`"),
     ),
     responses(
-        (status = 200, description = "A Server-Sent Events stream of Event messages", body = SseMessage, content_type = "text/event-stream"),
+        (status = 200, description = "A Server-Sent Events stream: each message has `id: <seq>`, `event: <type>` and `data: <the Event JSON>`, or `event: error` and a Problem as its data, which ends the stream", body = SseData, content_type = "text/event-stream"),
         (status = 410, description = "`events_pruned`: `after` is older than what retention kept; body has `oldest_seq`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "`busy`: too many open streams and waiting requests", body = Problem, content_type = "application/problem+json"),
@@ -265,13 +270,8 @@ fn stream(
             }
             if c.state.events.check_not_pruned(c.after).is_err() {
                 c.done = true;
-                let oldest = c.state.events.oldest_kept();
-                let data = serde_json::json!({"code": "events_pruned", "oldest_seq": oldest,
-                    "detail": "the client fell behind what retention keeps; reconnect from oldest_seq"});
-                return Some((
-                    Ok(SseEvent::default().event("error").data(data.to_string())),
-                    c,
-                ));
+                let data = pruned_error(c.state.events.oldest_kept());
+                return Some((Ok(error_message(&data)), c));
             }
             match c.state.events.read(c.after, 500).await {
                 Ok(rows) if !rows.is_empty() => c.pending.extend(rows),
@@ -291,14 +291,57 @@ fn stream(
                         StoreError::Busy | StoreError::Stale => "the store is busy".into(),
                         StoreError::RequestInProgress => "a request is in progress".into(),
                     };
-                    let data = serde_json::json!({"code": "unavailable", "detail": detail});
-                    return Some((
-                        Ok(SseEvent::default().event("error").data(data.to_string())),
-                        c,
-                    ));
+                    return Some((Ok(error_message(&unavailable_error(&detail))), c));
                 }
             }
         }
     });
     Sse::new(events).keep_alive(KeepAlive::new().interval(std::time::Duration::from_secs(15)))
+}
+
+/// The message that ends a stream: `event: error`, a Problem as its data
+/// (`SseData`), as an HTTP answer of the same code would carry it.
+fn error_message(problem: &serde_json::Value) -> SseEvent {
+    SseEvent::default().event("error").data(problem.to_string())
+}
+
+fn pruned_error(oldest_seq: i64) -> serde_json::Value {
+    let mut ext = serde_json::Map::new();
+    ext.insert("oldest_seq".into(), oldest_seq.into());
+    problem_body(
+        StatusCode::GONE,
+        Code::EventsPruned,
+        "Events pruned",
+        "the client fell behind what retention keeps; reconnect from oldest_seq",
+        ext,
+    )
+}
+
+fn unavailable_error(detail: &str) -> serde_json::Value {
+    problem_body(
+        StatusCode::SERVICE_UNAVAILABLE,
+        Code::Unavailable,
+        "Store unavailable",
+        detail,
+        serde_json::Map::new(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a generated client checks an `error` message's data against.
+    #[test]
+    fn a_stream_s_errors_are_problems() {
+        let pruned: Problem = serde_json::from_value(pruned_error(6)).expect("a Problem");
+        assert_eq!((pruned.status, pruned.code), (410, Code::EventsPruned));
+        assert_eq!(pruned.oldest_seq, Some(6));
+        let down: Problem = serde_json::from_value(unavailable_error("disk")).expect("a Problem");
+        assert_eq!((down.status, down.code), (503, Code::Unavailable));
+        assert_eq!(
+            (down.type_.as_str(), down.detail.as_str()),
+            ("about:blank", "disk")
+        );
+    }
 }

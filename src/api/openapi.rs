@@ -225,13 +225,15 @@ fn add_common_refusals(doc: &mut Document) {
 /// or absent value is `null`." So every member of every object schema a
 /// successful answer reaches is `required` (nullable where it can be null).
 /// Members of composed (`allOf`) schemas are left as derived: that is where
-/// `reclaimed` is, which is sent only by the acquire that took over.
+/// `reclaimed` is, which is sent only by the acquire that took over. A
+/// Problem is no record, though the event stream's `error` message carries
+/// one: its extension members come with the codes that have them.
 fn require_sent_members(doc: &mut Document) {
     let names = reached_by_success(doc);
     let Some(components) = doc.components.as_mut() else {
         return;
     };
-    for name in names {
+    for name in names.into_iter().filter(|n| n != "Problem") {
         if let Some(RefOr::T(Schema::Object(obj))) = components.schemas.get_mut(&name) {
             obj.required = obj.properties.keys().cloned().collect();
         }
@@ -395,6 +397,37 @@ mod tests {
         );
         let req = &doc["components"]["schemas"]["CommandSpec"]["required"];
         assert_eq!(req, &serde_json::json!(["argv"]));
+        // A problem's extension members come with their codes only.
+        let problem = &doc["components"]["schemas"]["Problem"]["required"];
+        assert_eq!(
+            problem,
+            &serde_json::json!(["type", "title", "status", "code", "detail"])
+        );
+    }
+
+    /// Generators type each message's `data` by the stream's schema: it is
+    /// an Event, or the Problem of an `error` message; and every port map,
+    /// a string -> integer map.
+    #[test]
+    fn the_stream_is_typed_by_its_messages_data() {
+        let doc = doc();
+        let stream = &doc["paths"]["/v1/events/stream"]["get"]["responses"]["200"]["content"];
+        let data = stream["text/event-stream"]["schema"]["$ref"]
+            .as_str()
+            .and_then(|r| r.strip_prefix("#/components/schemas/"))
+            .expect("a named schema");
+        let refs: Vec<&str> = doc["components"]["schemas"][data]["oneOf"]
+            .as_array()
+            .expect("oneOf")
+            .iter()
+            .filter_map(|s| s["$ref"].as_str())
+            .collect();
+        assert_eq!(
+            refs,
+            ["#/components/schemas/Event", "#/components/schemas/Problem"]
+        );
+        let reserved = &doc["components"]["schemas"]["Reserved"]["properties"]["ports"];
+        assert_eq!(reserved["$ref"], "#/components/schemas/PortMap");
     }
 
     #[test]

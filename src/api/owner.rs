@@ -1,5 +1,6 @@
 //! `owner` members: a pid the server reads itself, or the calling process.
 
+use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -10,11 +11,41 @@ use crate::model::Identity;
 
 /// `{"pid": 4242}` (optionally with the `start_time` the client saw), or
 /// `"caller"` over the Unix socket.
-#[derive(Debug, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum OwnerSpec {
     Caller(CallerKeyword),
     Pid(OwnerPid),
+}
+
+/// By the JSON's own type, not as an untagged enum, whose one error
+/// ("data did not match any variant of untagged enum OwnerSpec") named
+/// neither the member at fault nor what is expected: an object's errors
+/// are `OwnerPid`'s, at `owner.pid` or at the unknown member.
+impl<'de> Deserialize<'de> for OwnerSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Spec;
+        impl<'de> Visitor<'de> for Spec {
+            type Value = OwnerSpec;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object {\"pid\": N} or \"caller\"")
+            }
+
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<OwnerSpec, E> {
+                match s {
+                    "caller" => Ok(OwnerSpec::Caller(CallerKeyword::Caller)),
+                    _ => Err(E::invalid_value(de::Unexpected::Str(s), &self)),
+                }
+            }
+
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<OwnerSpec, A::Error> {
+                OwnerPid::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(OwnerSpec::Pid)
+            }
+        }
+        d.deserialize_any(Spec)
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]

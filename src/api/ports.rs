@@ -77,7 +77,7 @@ pub struct ReserveRequest {
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct Reserved {
     /// Port by name.
-    #[schema(value_type = Object)]
+    #[schema(value_type = crate::model::PortMap)]
     pub ports: BTreeMap<String, u16>,
     pub reservations: Vec<PortRecord>,
 }

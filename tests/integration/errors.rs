@@ -135,6 +135,22 @@ async fn invalid_members_are_422_validation_naming_the_field() {
         ),
         (
             json!({"resource": "a", "holder": "h", "owner": {"pid": 1, "x": 2}}),
+            "owner.x",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "owner": {"pid": "12"}}),
+            "owner.pid",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "owner": {}}),
+            "owner.pid",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "owner": {"pid": 1, "start_time": 3}}),
+            "owner.start_time",
+        ),
+        (
+            json!({"resource": "a", "holder": "h", "owner": "callr"}),
             "owner",
         ),
         (
@@ -156,6 +172,8 @@ async fn invalid_members_are_422_validation_naming_the_field() {
         );
         assert_eq!(r.code(), "validation", "{body}");
         assert_eq!(r.body["field"], field, "{body}: {}", r.body);
+        let detail = r.body["detail"].as_str().unwrap_or_default();
+        assert!(!detail.contains("enum"), "no Rust in the answer: {detail}");
     }
     let lease = s.acquire_ok("a", "h").await;
     let id = lease["id"].as_str().expect("id");
