@@ -53,6 +53,7 @@ pub struct AcquireRequest {
         pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
     )]
     pub resource: String,
+    /// 1..=256 bytes of UTF-8 without control characters.
     #[schema(
         example = "supervisor-1",
         min_length = 1,
@@ -120,7 +121,7 @@ pub struct ReleaseRequest {
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BreakRequest {
-    /// Why the lease is broken; recorded as `broken:<reason>`.
+    /// Why the lease is broken; recorded as `broken:<reason>`. 1..=256 bytes of UTF-8 without control characters.
     #[schema(
         min_length = 1,
         max_length = 256,

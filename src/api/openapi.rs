@@ -50,6 +50,7 @@ pub fn openapi() -> Document {
     add_security(&mut doc);
     add_common_refusals(&mut doc);
     add_idempotency_key(&mut doc);
+    add_response_headers(&mut doc);
     require_sent_members(&mut doc);
     doc
 }
@@ -142,6 +143,50 @@ const COMMON: &[(&str, &str, bool, bool)] = &[
         false,
     ),
 ];
+
+/// Headers the middleware sets, which no route declares: a generated
+/// client shows only the headers the document names.
+fn add_response_headers(doc: &mut Document) {
+    use utoipa::openapi::header::HeaderBuilder;
+    use utoipa::openapi::{ObjectBuilder, Type};
+    let header = |ty: Type, description: &str| {
+        HeaderBuilder::new()
+            .schema(Some(ObjectBuilder::new().schema_type(ty).build()))
+            .description(Some(description))
+            .build()
+    };
+    let paths = doc.paths.paths.values_mut();
+    for (method_post, op) in paths.flat_map(|item| {
+        [(false, &mut item.get), (true, &mut item.post)]
+            .into_iter()
+            .filter_map(|(post, op)| op.as_mut().map(|op| (post, op)))
+    }) {
+        for (status, response) in &mut op.responses.responses {
+            let RefOr::T(response) = response else {
+                continue;
+            };
+            let added = match status.as_str() {
+                "503" => (
+                    "Retry-After",
+                    header(Type::Integer, "Seconds to wait before trying again."),
+                ),
+                "401" => ("WWW-Authenticate", header(Type::String, "`Bearer`.")),
+                s if method_post && s.starts_with('2') => (
+                    "Idempotent-Replayed",
+                    header(
+                        Type::String,
+                        "`true` when this is the stored answer of an earlier request with the same \
+                         `Idempotency-Key`; absent otherwise.",
+                    ),
+                ),
+                _ => continue,
+            };
+            response
+                .headers
+                .insert(added.0.to_owned(), RefOr::T(added.1));
+        }
+    }
+}
 
 /// Every POST takes an `Idempotency-Key` (see `api::idempotency`).
 fn add_idempotency_key(doc: &mut Document) {
@@ -403,6 +448,31 @@ mod tests {
             problem,
             &serde_json::json!(["type", "title", "status", "code", "detail"])
         );
+    }
+
+    /// The headers the middleware sets are declared where it sets them.
+    #[test]
+    fn the_middleware_s_headers_are_declared() {
+        let doc = doc();
+        let mut seen = 0;
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for (method, op) in item.as_object().expect("path item") {
+                for (status, r) in op["responses"].as_object().expect("responses") {
+                    let want = match status.as_str() {
+                        "503" => "Retry-After",
+                        "401" => "WWW-Authenticate",
+                        s if method == "post" && s.starts_with('2') => "Idempotent-Replayed",
+                        _ => continue,
+                    };
+                    seen += 1;
+                    assert!(
+                        r["headers"][want].is_object(),
+                        "{method} {path} {status}: {want}"
+                    );
+                }
+            }
+        }
+        assert!(seen > 30, "{seen}");
     }
 
     /// Generators type each message's `data` by the stream's schema: it is

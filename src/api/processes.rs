@@ -42,6 +42,7 @@ pub fn router() -> OpenApiRouter<AppState> {
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateProcessRequest {
+    /// 1..=256 bytes of UTF-8 without control characters.
     #[schema(
         example = "dev-server",
         min_length = 1,
@@ -49,7 +50,7 @@ pub struct CreateProcessRequest {
         pattern = "^[^\\x00-\\x1F\\x7F-\\x9F]*$"
     )]
     pub kind: String,
-    /// At most one current process per operation id.
+    /// At most one current process per operation id; 1..=256 bytes of UTF-8 without control characters.
     #[schema(
         min_length = 1,
         max_length = 256,
@@ -133,6 +134,7 @@ pub struct StopRequest {
     pub grace_ms: Option<i64>,
     /// SIGKILL after the grace period (default true).
     pub force: Option<bool>,
+    /// 1..=256 bytes of UTF-8 without control characters.
     #[schema(
         min_length = 1,
         max_length = 256,
@@ -155,6 +157,7 @@ pub struct FinishRequest {
     #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
     pub state: FinishState,
+    /// 1..=256 bytes of UTF-8 without control characters.
     #[schema(
         min_length = 1,
         max_length = 256,
