@@ -22,41 +22,56 @@ pub enum LeaseCmd {
     Acquire(AcquireArgs),
     /// Push a lease's expiry out by its TTL (or a new one).
     Renew {
+        /// The lease's id (as `acquire` printed it)
         id: String,
+        /// The lease's fencing token
         #[arg(long)]
         token: i64,
+        /// A new TTL, kept for later renewals [default: the lease's own]
         #[arg(long, value_name = "DUR", value_parser = duration::parse)]
         ttl: Option<Duration>,
     },
     /// Turn a reserved lease active, bound to a process.
     Activate {
+        /// The lease's id (as `acquire` printed it)
         id: String,
+        /// The lease's fencing token
         #[arg(long)]
         token: i64,
+        /// The process the lease is bound to: it ends when that process does
         #[arg(long, value_name = "PID")]
         owner_pid: i64,
     },
     /// Release a lease (and the ports it holds).
     Release {
+        /// The lease's id (as `acquire` printed it)
         id: String,
+        /// The lease's fencing token
         #[arg(long)]
         token: i64,
     },
     /// End a current lease whatever its owner (admin only).
     Break {
+        /// The lease's id
         id: String,
+        /// Why; recorded as its end reason, `broken:<reason>`
         #[arg(long)]
         reason: String,
     },
     /// One lease, current or ended.
-    Get { id: String },
+    Get {
+        /// The lease's id
+        id: String,
+    },
     /// Leases, newest first.
     List(ListArgs),
 }
 
 #[derive(Debug, Args)]
 pub struct AcquireArgs {
+    /// The name to hold (`workspace/alpha`)
     pub resource: String,
+    /// Who holds it, for people (`supervisor-1`)
     #[arg(long)]
     pub holder: String,
     /// The holder must renew within this [required without --owner-pid]
@@ -84,11 +99,13 @@ pub struct AcquireArgs {
 
 #[derive(Debug, Args)]
 pub struct ListArgs {
+    /// Leases of this resource only
     #[arg(long)]
     resource: Option<String>,
     /// Resources that start with this, literally
     #[arg(long)]
     prefix: Option<String>,
+    /// Leases of this holder only
     #[arg(long)]
     holder: Option<String>,
     /// current, ended or all [default: current]

@@ -14,6 +14,7 @@ use super::parse;
 
 #[derive(Debug, Args)]
 pub struct LogsArgs {
+    /// The spawned process's id
     id: String,
     /// The standard error instead of the standard output
     #[arg(long)]

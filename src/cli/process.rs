@@ -18,6 +18,7 @@ pub struct PsArgs {
     /// current, ended or all [default: current]
     #[arg(long, value_parser = parse::state)]
     state: Option<StateFilter>,
+    /// Processes of this kind only
     #[arg(long)]
     kind: Option<String>,
     /// Every page, not only the first
@@ -27,6 +28,7 @@ pub struct PsArgs {
 
 #[derive(Debug, Args)]
 pub struct SpawnArgs {
+    /// What it is, for people and filters (`dev-server`)
     #[arg(long)]
     kind: String,
     /// The lease that owns it: the server stops it when the lease ends
@@ -35,8 +37,10 @@ pub struct SpawnArgs {
     /// Reserve a port; the command gets PORT_<NAME> (and PORT for the first)
     #[arg(long = "port", value_name = "NAME")]
     ports: Vec<String>,
+    /// Keep it only while heartbeats come within this; the server stops it when they stop
     #[arg(long, value_name = "DUR", value_parser = duration::parse)]
     ttl: Option<Duration>,
+    /// At most one current process per operation id: a second spawn with it is refused
     #[arg(long, value_name = "OP")]
     operation_id: Option<String>,
     /// Working directory [default: the server's]
@@ -52,7 +56,9 @@ pub struct SpawnArgs {
 
 #[derive(Debug, Args)]
 pub struct StopArgs {
+    /// The process's id (as `spawn` or `ps` printed it)
     id: String,
+    /// The process's token
     #[arg(long)]
     token: i64,
     /// Between SIGTERM and SIGKILL [default: 5s]
@@ -61,6 +67,7 @@ pub struct StopArgs {
     /// No SIGKILL after the grace period
     #[arg(long)]
     no_force: bool,
+    /// Why; recorded as its end reason
     #[arg(long)]
     reason: Option<String>,
 }

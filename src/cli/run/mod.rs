@@ -29,7 +29,7 @@ pub struct RunArgs {
     /// The resource to hold while COMMAND runs
     #[arg(long = "lease", value_name = "RESOURCE")]
     resource: String,
-    /// [default: <hostname>:<pid>: <COMMAND>]
+    /// Who holds it, for people [default: <hostname>:<pid>: <COMMAND>]
     #[arg(long)]
     holder: Option<String>,
     /// While the lease is held, wait this long for it to end [default: do not wait]
