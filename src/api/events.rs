@@ -68,11 +68,24 @@ pub struct Event {
     pub detail: Option<()>,
 }
 
-// Generators take the schema of a `text/event-stream` response for the
-// type of each message's `data` (OpenAPI 3.2's `itemSchema` says so
-// outright), not of its frame: a schema of `{id, event, data: string}` had
-// a generated TypeScript client (@hey-api/openapi-ts, validating) refuse
-// every event.
+/// One Server-Sent Events message as it is framed: `data` is the JSON text
+/// of an `SseData`.
+// The stream's schema is the frame, as OpenAPI 3.2's `itemSchema` for
+// `text/event-stream` describes one and schemathesis checks every message
+// against (its ST108). `data` says what its text holds with
+// `contentMediaType` and `contentSchema` (`openapi::describe_sse_data`).
+// Some generators (@hey-api/openapi-ts) take a stream's schema for its
+// data's instead; docs/clients.md says how to read the stream there.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)] // documents the stream, which axum's Sse writes
+pub struct SseMessage {
+    /// The event's `seq`; none on an `error` message.
+    pub id: Option<String>,
+    /// The event's `type`, or `error`.
+    pub event: String,
+    pub data: String,
+}
+
 /// The `data` of one Server-Sent Events message, as JSON: an Event (the
 /// message's `id` is its `seq`, its `event` its `type`), or, in a message
 /// whose `event` is `error`, the problem (`events_pruned`, `unavailable`)
@@ -168,7 +181,7 @@ async fn list_events(
         ("Last-Event-ID" = Option<String>, Header, nullable = false, pattern = "^[0-9]{0,18}$", description = "Resume after this seq (the `id` of the last message read); overrides `after`"),
     ),
     responses(
-        (status = 200, description = "A Server-Sent Events stream: each message has `id: <seq>`, `event: <type>` and `data: <the Event JSON>`, or `event: error` and a Problem as its data, which ends the stream", body = SseData, content_type = "text/event-stream"),
+        (status = 200, description = "A Server-Sent Events stream: each message has `id: <seq>`, `event: <type>` and `data: <the Event JSON>`, or `event: error` and a Problem as its data, which ends the stream", body = SseMessage, content_type = "text/event-stream"),
         (status = 410, description = "`events_pruned`: `after` is older than what retention kept; body has `oldest_seq`", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "A bad parameter", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "`busy`: too many open streams and waiting requests", body = Problem, content_type = "application/problem+json"),

@@ -39,6 +39,7 @@ const OPEN_PATHS: &[&str] = &["/healthz", "/readyz", "/openapi.json"];
         crate::model::PortMap,
         super::processes::Stream,
         super::error::Code,
+        super::events::SseData,
     ))
 )]
 pub(super) struct ApiDoc;
@@ -51,6 +52,7 @@ pub fn openapi() -> Document {
     add_common_refusals(&mut doc);
     add_idempotency_key(&mut doc);
     add_response_headers(&mut doc);
+    describe_sse_data(&mut doc);
     require_sent_members(&mut doc);
     doc
 }
@@ -143,6 +145,21 @@ const COMMON: &[(&str, &str, bool, bool)] = &[
         false,
     ),
 ];
+
+/// An SSE message's `data` is the JSON text of an `SseData`: said with
+/// JSON Schema's keywords for a string's content, which the derive has no
+/// attribute for.
+fn describe_sse_data(doc: &mut Document) {
+    let Some(components) = doc.components.as_mut() else {
+        return;
+    };
+    if let Some(RefOr::T(Schema::Object(message))) = components.schemas.get_mut("SseMessage")
+        && let Some(RefOr::T(Schema::Object(data))) = message.properties.get_mut("data")
+    {
+        data.content_media_type = "application/json".to_owned();
+        data.content_schema = Some(Box::new(Ref::from_schema_name("SseData").into()));
+    }
+}
 
 /// Headers the middleware sets, which no route declares: a generated
 /// client shows only the headers the document names.
@@ -475,14 +492,21 @@ mod tests {
         assert!(seen > 30, "{seen}");
     }
 
-    /// Generators type each message's `data` by the stream's schema: it is
-    /// an Event, or the Problem of an `error` message; and every port map,
-    /// a string -> integer map.
+    /// The stream's schema is a message's frame; its `data` is the JSON
+    /// text of an Event, or of the Problem of an `error` message. Every port
+    /// map is a string -> integer map.
     #[test]
-    fn the_stream_is_typed_by_its_messages_data() {
+    fn the_stream_s_data_is_typed() {
         let doc = doc();
         let stream = &doc["paths"]["/v1/events/stream"]["get"]["responses"]["200"]["content"];
-        let data = stream["text/event-stream"]["schema"]["$ref"]
+        let frame = stream["text/event-stream"]["schema"]["$ref"]
+            .as_str()
+            .and_then(|r| r.strip_prefix("#/components/schemas/"))
+            .expect("a named schema");
+        let text = &doc["components"]["schemas"][frame]["properties"]["data"];
+        assert_eq!(text["type"], "string");
+        assert_eq!(text["contentMediaType"], "application/json");
+        let data = text["contentSchema"]["$ref"]
             .as_str()
             .and_then(|r| r.strip_prefix("#/components/schemas/"))
             .expect("a named schema");
