@@ -402,7 +402,7 @@ impl IntoResponse for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 Code::Busy,
                 "Busy",
-                "the store is busy; retry after the given delay".into(),
+                BUSY_DETAIL.into(),
             ),
             Self::Unavailable(d) => {
                 tracing::error!(error = %d, "store unavailable");
@@ -410,7 +410,7 @@ impl IntoResponse for ApiError {
                     StatusCode::SERVICE_UNAVAILABLE,
                     Code::Unavailable,
                     "Store unavailable",
-                    "the store cannot be read or written now (database down, disk full or read-only); retry later".into(),
+                    UNAVAILABLE_DETAIL.into(),
                 )
             }
             Self::Internal(d) => {
@@ -426,6 +426,10 @@ impl IntoResponse for ApiError {
         problem(status, code, title, &detail, ext)
     }
 }
+
+pub const BUSY_DETAIL: &str = "the store is busy; retry after the given delay";
+pub const UNAVAILABLE_DETAIL: &str =
+    "the store cannot be read or written now (database down, disk full or read-only); retry later";
 
 /// A problem's JSON (`Problem`), for a response or an event stream's `error`.
 pub fn problem_body(

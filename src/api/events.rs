@@ -10,7 +10,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
-use super::error::{ApiError, Code, Problem, problem_body};
+use super::error::{ApiError, BUSY_DETAIL, Code, Problem, UNAVAILABLE_DETAIL, problem_body};
 use super::extract::Params;
 use super::validate;
 use crate::events::ReadError;
@@ -297,14 +297,7 @@ fn stream(
                 }
                 Err(ReadError::Store(e)) => {
                     c.done = true;
-                    let detail = match e {
-                        StoreError::Unavailable(d)
-                        | StoreError::Other(d)
-                        | StoreError::OutcomeUnknown(d) => d,
-                        StoreError::Busy | StoreError::Stale => "the store is busy".into(),
-                        StoreError::RequestInProgress => "a request is in progress".into(),
-                    };
-                    return Some((Ok(error_message(&unavailable_error(&detail))), c));
+                    return Some((Ok(error_message(&store_error(e))), c));
                 }
             }
         }
@@ -330,11 +323,22 @@ fn pruned_error(oldest_seq: i64) -> serde_json::Value {
     )
 }
 
-fn unavailable_error(detail: &str) -> serde_json::Value {
+/// As a `503` answer says it: `busy`, or `unavailable` with the cause
+/// logged, not sent.
+fn store_error(e: StoreError) -> serde_json::Value {
+    let (code, title, detail) = match e {
+        StoreError::Busy | StoreError::Stale | StoreError::RequestInProgress => {
+            (Code::Busy, "Busy", BUSY_DETAIL)
+        }
+        StoreError::Unavailable(d) | StoreError::Other(d) | StoreError::OutcomeUnknown(d) => {
+            tracing::error!(error = %d, "store unavailable while streaming events");
+            (Code::Unavailable, "Store unavailable", UNAVAILABLE_DETAIL)
+        }
+    };
     problem_body(
         StatusCode::SERVICE_UNAVAILABLE,
-        Code::Unavailable,
-        "Store unavailable",
+        code,
+        title,
         detail,
         serde_json::Map::new(),
     )
@@ -350,11 +354,16 @@ mod tests {
         let pruned: Problem = serde_json::from_value(pruned_error(6)).expect("a Problem");
         assert_eq!((pruned.status, pruned.code), (410, Code::EventsPruned));
         assert_eq!(pruned.oldest_seq, Some(6));
-        let down: Problem = serde_json::from_value(unavailable_error("disk")).expect("a Problem");
+        let down = store_error(StoreError::Unavailable("disk /x: EIO".into()));
+        let down: Problem = serde_json::from_value(down).expect("a Problem");
         assert_eq!((down.status, down.code), (503, Code::Unavailable));
-        assert_eq!(
-            (down.type_.as_str(), down.detail.as_str()),
-            ("about:blank", "disk")
+        assert_eq!(down.type_, "about:blank");
+        assert!(
+            !down.detail.contains("EIO"),
+            "the cause is logged, not sent"
         );
+        let busy: Problem =
+            serde_json::from_value(store_error(StoreError::Busy)).expect("a Problem");
+        assert_eq!((busy.status, busy.code), (503, Code::Busy));
     }
 }

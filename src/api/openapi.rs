@@ -287,15 +287,20 @@ fn add_common_refusals(doc: &mut Document) {
 /// or absent value is `null`." So every member of every object schema a
 /// successful answer reaches is `required` (nullable where it can be null).
 /// Members of composed (`allOf`) schemas are left as derived: that is where
-/// `reclaimed` is, which is sent only by the acquire that took over. A
-/// Problem is no record, though the event stream's `error` message carries
-/// one: its extension members come with the codes that have them.
+/// `reclaimed` is, which is sent only by the acquire that took over. Nor
+/// are two answers that are no records, though a 2xx reaches them: a
+/// Problem (the event stream's `error` message carries one), whose
+/// extension members come with the codes that have them, and the stream's
+/// frame, whose `id` an `error` message has none of.
 fn require_sent_members(doc: &mut Document) {
     let names = reached_by_success(doc);
     let Some(components) = doc.components.as_mut() else {
         return;
     };
-    for name in names.into_iter().filter(|n| n != "Problem") {
+    for name in names
+        .into_iter()
+        .filter(|n| !["Problem", "SseMessage"].contains(&n.as_str()))
+    {
         if let Some(RefOr::T(Schema::Object(obj))) = components.schemas.get_mut(&name) {
             obj.required = obj.properties.keys().cloned().collect();
         }
@@ -506,6 +511,12 @@ mod tests {
         let text = &doc["components"]["schemas"][frame]["properties"]["data"];
         assert_eq!(text["type"], "string");
         assert_eq!(text["contentMediaType"], "application/json");
+        let required = &doc["components"]["schemas"][frame]["required"];
+        assert_eq!(
+            required,
+            &serde_json::json!(["event", "data"]),
+            "no id on an error"
+        );
         let data = text["contentSchema"]["$ref"]
             .as_str()
             .and_then(|r| r.strip_prefix("#/components/schemas/"))

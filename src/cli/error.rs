@@ -3,6 +3,16 @@
 
 use holdfast::api::error::Problem;
 
+/// `eprintln!` that cannot panic: a closed stderr (`2>&-`, `2>&1 | head`)
+/// loses the line, not the command (CLI.md: never a panic).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+pub(crate) use say;
+
 /// Wrong usage (clap uses the same code for its own usage errors).
 pub const EXIT_USAGE: u8 = 2;
 /// The server could not be reached, or stayed `busy`/`unavailable` (EX_UNAVAILABLE).
@@ -104,7 +114,7 @@ impl CliError {
         if self.quiet {
             return;
         }
-        eprintln!("holdfast: {}: {}", self.code, self.detail);
+        say!("holdfast: {}: {}", self.code, self.detail);
     }
 }
 

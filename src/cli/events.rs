@@ -51,11 +51,14 @@ const PAGE: i64 = 1000;
 
 pub async fn run(a: EventsArgs, client: &Client, json: bool) -> Result<(), CliError> {
     if a.follow {
-        let after = match a.after {
-            Some(after) => after,
-            None => newest_seq(client).await?,
+        let follower = async {
+            let after = match a.after {
+                Some(after) => after,
+                None => start_now(client).await?,
+            };
+            follow(client, after, &a.types, json).await
         };
-        return super::follow::until_reader_gone(follow(client, after, &a.types, json)).await;
+        return super::follow::until_reader_gone(follower).await;
     }
     let mut after = a.after.unwrap_or(0);
     let mut pages: Vec<String> = Vec::new();
@@ -167,6 +170,13 @@ async fn follow(
                 let v: Value = serde_json::from_str(&msg.data).unwrap_or_default();
                 let mut e = CliError::local(v["detail"].as_str().unwrap_or(&msg.data).to_owned());
                 e.code = v["code"].as_str().unwrap_or("stream_error").to_owned();
+                // A store that failed mid-stream is an outage like any 503:
+                // waited out, from the last event seen.
+                if v["status"] == 503 {
+                    e.exit = super::error::EXIT_UNREACHABLE;
+                    reconnect.after(e).await?;
+                    break;
+                }
                 return Err(e);
             }
             let v: Value = serde_json::from_str(&msg.data)
@@ -184,6 +194,21 @@ async fn follow(
                     c[0], c[1], c[2], c[3]
                 ))?;
             }
+        }
+    }
+}
+
+/// Where a follower without `--after` starts: the newest event, once the
+/// server answers (a follower waits out a server that is down).
+async fn start_now(client: &Client) -> Result<i64, CliError> {
+    let mut reconnect = super::follow::Reconnect::default();
+    loop {
+        match newest_seq(client).await {
+            Ok(seq) => {
+                reconnect.connected();
+                return Ok(seq);
+            }
+            Err(e) => reconnect.after(e).await?,
         }
     }
 }

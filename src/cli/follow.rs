@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use super::error::say;
 use super::error::{CliError, EXIT_UNREACHABLE};
 use super::table::reader_gone;
 
@@ -26,9 +27,10 @@ impl Reconnect {
             return Err(e);
         }
         if self.failures == 0 {
-            eprintln!(
+            say!(
                 "holdfast: {}: {}; trying again until interrupted",
-                e.code, e.detail
+                e.code,
+                e.detail
             );
         }
         self.failures += 1;
@@ -40,7 +42,7 @@ impl Reconnect {
     /// A call went through: the outage, if any, is over.
     pub fn connected(&mut self) {
         if self.failures > 0 {
-            eprintln!("holdfast: connected again");
+            say!("holdfast: connected again");
         }
         self.failures = 0;
     }

@@ -6,6 +6,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::error::CliError;
+use super::error::say;
 use super::http::Client;
 use super::table::Table;
 
@@ -24,7 +25,7 @@ impl<T> Listing<T> {
     pub fn print_table(&self, table: &Table) -> Result<(), CliError> {
         table.print()?;
         if self.more {
-            eprintln!(
+            say!(
                 "holdfast: the first {} only; --all lists every page",
                 self.items.len()
             );

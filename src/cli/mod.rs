@@ -24,6 +24,7 @@ use clap::Subcommand;
 
 pub use conn::ConnArgs;
 use error::CliError;
+use error::say;
 
 /// The client commands.
 #[derive(Debug, Subcommand)]
@@ -99,7 +100,7 @@ pub fn healthcheck(conn: &ConnArgs) -> u8 {
     match runtime().and_then(|rt| rt.block_on(check)) {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("holdfast healthcheck: {}: {}", e.code, e.detail);
+            say!("holdfast healthcheck: {}: {}", e.code, e.detail);
             1
         }
     }

@@ -340,6 +340,14 @@ async fn cli_list_all_joins_every_page() {
         page.stderr
     );
     assert_eq!(ok(hf(&s, "lease list --json")).await.stderr, "");
+    // Nobody reads stderr: the note is lost, not the command (a panic).
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let mut cmd = hf(&s, "lease list");
+    cmd.stderr(writer);
+    let o = out(cmd).await;
+    assert_eq!(o.code, 0, "{}", o.stdout);
+    assert_eq!(o.stdout.lines().count(), 101);
 }
 
 #[tokio::test]
@@ -862,8 +870,30 @@ async fn cli_followers_wait_out_a_server_that_is_down() {
         "the follower gave up"
     );
 
+    // One that starts "now" while the server is down waits for it too.
+    let mut late = holdfast(&["--socket", sock, "events", "--follow", "--json"])
+        .spawn()
+        .expect("spawn");
+    let mut late_lines = BufReader::new(late.stdout.take().expect("stdout")).lines();
+    let mut late_said = BufReader::new(late.stderr.take().expect("stderr")).lines();
+    let note = tokio::time::timeout(LIMIT, late_said.next_line()).await;
+    let note = next(note.expect("in time").expect("read"));
+    assert!(note.contains("trying again until interrupted"), "{note}");
+
     let s = Server::start_in(dir.path(), &args).await;
-    s.acquire_ok("down/2", "h").await;
+    // The late one starts at the newest event once it gets through: until
+    // it prints one, new leases could come before it looks.
+    let mut n = 1;
+    loop {
+        n += 1;
+        s.acquire_ok(&format!("down/{n}"), "h").await;
+        let line = tokio::time::timeout(Duration::from_millis(500), late_lines.next_line()).await;
+        if let Ok(line) = line {
+            assert!(next(line.expect("read")).contains("down/"));
+            break;
+        }
+        assert!(n < 40, "the late follower printed nothing");
+    }
     let line = tokio::time::timeout(LIMIT, lines.next_line()).await;
     let line = next(line.expect("in time").expect("read"));
     let ev: Value = serde_json::from_str(&line).expect("one event per line");

@@ -13,6 +13,7 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::ExitCode;
 
+use crate::cli::error::say;
 use clap::Args;
 
 /// The byte that clears COMMAND to start.
@@ -30,7 +31,7 @@ pub fn exec(a: ExecArgs) -> ExitCode {
     let mut gate = match inherited_pipe(a.fd) {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("holdfast: local: the gate pipe {}: {e}", a.fd);
+            say!("holdfast: local: the gate pipe {}: {e}", a.fd);
             return ExitCode::FAILURE;
         }
     };
@@ -44,7 +45,7 @@ pub fn exec(a: ExecArgs) -> ExitCode {
     let err = std::process::Command::new(program)
         .args(&a.argv[1..])
         .exec();
-    eprintln!(
+    say!(
         "holdfast: local: cannot run {}: {err}",
         program.to_string_lossy()
     );

@@ -19,6 +19,7 @@ use holdfast::api::processes::{ConfirmRequest, CreateProcessRequest, StopRequest
 use holdfast::model::{LeaseView, ProcessView, TokenRef};
 use serde_json::{Map, Value, json};
 
+use super::error::say;
 use super::error::{CliError, EXIT_CONFLICT};
 use super::http::Client;
 use super::{duration, lease, parse};
@@ -90,9 +91,10 @@ pub async fn run(a: RunArgs, client: &Client) -> Result<u8, CliError> {
             // The lease ended before COMMAND did (the server may have stopped it).
             Some(why) => Err(CliError::lease_lost(why, a.conflict_exit_code)),
             None => {
-                eprintln!(
+                say!(
                     "holdfast: {}: releasing the lease: {} (it ends with this process)",
-                    e.code, e.detail
+                    e.code,
+                    e.detail
                 );
                 Ok(code)
             }

@@ -10,6 +10,7 @@ use holdfast::api::processes::ListQuery as ProcessQuery;
 use holdfast::model::{LeaseView, ProcessView, StateFilter};
 
 use crate::cli::error::CliError;
+use crate::cli::error::say;
 use crate::cli::http::Client;
 use crate::cli::list;
 
@@ -71,7 +72,7 @@ pub async fn wait_until_stopped(
         }
         if !said {
             said = true;
-            eprintln!("holdfast: waiting for the server to stop {what}");
+            say!("holdfast: waiting for the server to stop {what}");
         }
         tokio::time::sleep(LOOK_EVERY).await;
     }

@@ -10,6 +10,7 @@ use holdfast::api::leases::RenewRequest;
 use holdfast::model::LeaseView;
 
 use crate::cli::error::CliError;
+use crate::cli::error::say;
 use crate::cli::events::{self, newest_seq};
 use crate::cli::http::Client;
 
@@ -63,9 +64,10 @@ async fn renew_until_fenced(client: &Client, lease: &LeaseView, ttl: Duration) -
             // is alive, so it is not lost; keep renewing. Say so once.
             Err(e) if !warned => {
                 warned = true;
-                eprintln!(
+                say!(
                     "holdfast: {}: renewing the lease: {} (still trying)",
-                    e.code, e.detail
+                    e.code,
+                    e.detail
                 );
             }
             Err(_) => {}
