@@ -78,9 +78,13 @@ impl CliError {
             _ => 1,
         };
         if let Ok(problem) = serde_json::from_slice::<Problem>(body) {
+            let flag = problem.field.as_deref().and_then(flag_of);
             return Self {
                 code: problem.code.as_str().to_owned(),
-                detail: problem.detail.clone(),
+                detail: match flag {
+                    Some(flag) => format!("{} ({flag})", problem.detail),
+                    None => problem.detail.clone(),
+                },
                 exit: exit(problem.code.as_str()),
                 problem: Some(Box::new(problem)),
                 quiet: false,
@@ -116,6 +120,32 @@ impl CliError {
         }
         say!("holdfast: {}: {}", self.code, self.detail);
     }
+}
+
+/// The flag (or argument) a member of a request body came from, for a
+/// refusal that names the member: `ttl_ms must be between 1000 and
+/// 86400000 (--ttl)`, where `--ttl 250ms` was typed.
+fn flag_of(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "ttl_ms" => "--ttl",
+        "wait_ms" => "--wait",
+        "grace_ms" => "--grace",
+        "holder" => "--holder",
+        "resource" => "RESOURCE",
+        "token" => "--token",
+        "reason" => "--reason",
+        "kind" => "--kind",
+        "operation_id" => "--operation-id",
+        "metadata" => "--metadata",
+        "owner.pid" => "--owner-pid",
+        "parent.id" | "parent.token" => "--parent",
+        "lease.id" | "lease.token" => "--lease",
+        "command.cwd" => "--cwd",
+        "command.env" => "--env",
+        "command.argv" => "COMMAND",
+        "ports" | "names" => "--port",
+        _ => return None,
+    })
 }
 
 pub fn truncate(s: &str, max: usize) -> &str {

@@ -556,6 +556,11 @@ async fn cli_refusals_and_local_errors_exit_1() {
     let o = out(hf(&s, "lease acquire r2 --holder h --ttl 10ms")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "validation");
+    assert!(
+        o.stderr.trim_end().ends_with("(--ttl)"),
+        "names the flag: {}",
+        o.stderr
+    );
     let o = out(hf(&s, "lease list --token-file /nonexistent/token")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "local");
