@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::error::CliError;
+use super::follow::Reconnect;
 use super::http::{Client, success};
 use super::sse;
 use super::table::{Table, local_time, print_json_text};
@@ -52,11 +53,13 @@ const PAGE: i64 = 1000;
 pub async fn run(a: EventsArgs, client: &Client, json: bool) -> Result<(), CliError> {
     if a.follow {
         let follower = async {
-            let after = match a.after {
-                Some(after) => after,
-                None => start_now(client).await?,
+            // Without --after it starts at the newest event: the server
+            // has answered by then.
+            let (after, reached) = match a.after {
+                Some(after) => (after, false),
+                None => (newest_seq(client).await?, true),
             };
-            follow(client, after, &a.types, json).await
+            follow(client, after, &a.types, json, Reconnect::new(reached)).await
         };
         return super::follow::until_reader_gone(follower).await;
     }
@@ -142,8 +145,8 @@ async fn follow(
     mut after: i64,
     types: &[String],
     json: bool,
+    mut reconnect: Reconnect,
 ) -> Result<(), CliError> {
-    let mut reconnect = super::follow::Reconnect::default();
     loop {
         let opened = async {
             let res = client
@@ -194,21 +197,6 @@ async fn follow(
                     c[0], c[1], c[2], c[3]
                 ))?;
             }
-        }
-    }
-}
-
-/// Where a follower without `--after` starts: the newest event, once the
-/// server answers (a follower waits out a server that is down).
-async fn start_now(client: &Client) -> Result<i64, CliError> {
-    let mut reconnect = super::follow::Reconnect::default();
-    loop {
-        match newest_seq(client).await {
-            Ok(seq) => {
-                reconnect.connected();
-                return Ok(seq);
-            }
-            Err(e) => reconnect.after(e).await?,
         }
     }
 }

@@ -49,7 +49,7 @@ pub async fn run(a: LogsArgs, client: &Client) -> Result<(), CliError> {
 /// process has ended and all it wrote is out.
 async fn follow(client: &Client, id: &str, stream: Stream) -> Result<(), CliError> {
     let mut offset = 0;
-    let mut reconnect = Reconnect::default();
+    let mut reconnect = Reconnect::new(false);
     loop {
         match step(client, id, stream, &mut offset).await {
             Ok(true) => return Ok(()),
