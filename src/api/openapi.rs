@@ -64,12 +64,13 @@ pub fn openapi_json() -> String {
     text
 }
 
-fn operations(doc: &mut Document) -> impl Iterator<Item = (&String, &mut Operation)> {
+/// Every operation with its path and whether it is a POST (the API has
+/// only GETs and POSTs).
+fn operations(doc: &mut Document) -> impl Iterator<Item = (&String, bool, &mut Operation)> {
     doc.paths.paths.iter_mut().flat_map(|(path, item)| {
-        [&mut item.get, &mut item.post]
+        [(false, &mut item.get), (true, &mut item.post)]
             .into_iter()
-            .flatten()
-            .map(move |op| (path, op))
+            .filter_map(move |(post, op)| op.as_mut().map(|op| (path, post, op)))
     })
 }
 
@@ -85,7 +86,7 @@ fn add_security(doc: &mut Document) {
         .get_or_insert_with(Default::default)
         .add_security_scheme(BEARER, SecurityScheme::Http(http));
     doc.security = Some(vec![SecurityRequirement::new(BEARER, Vec::<String>::new())]);
-    for (path, op) in operations(doc) {
+    for (path, _, op) in operations(doc) {
         if OPEN_PATHS.contains(&path.as_str()) {
             op.security = Some(Vec::new());
         }
@@ -172,12 +173,7 @@ fn add_response_headers(doc: &mut Document) {
             .description(Some(description))
             .build()
     };
-    let paths = doc.paths.paths.values_mut();
-    for (method_post, op) in paths.flat_map(|item| {
-        [(false, &mut item.get), (true, &mut item.post)]
-            .into_iter()
-            .filter_map(|(post, op)| op.as_mut().map(|op| (post, op)))
-    }) {
+    for (_, post, op) in operations(doc) {
         for (status, response) in &mut op.responses.responses {
             let RefOr::T(response) = response else {
                 continue;
@@ -188,7 +184,7 @@ fn add_response_headers(doc: &mut Document) {
                     header(Type::Integer, "Seconds to wait before trying again."),
                 ),
                 "401" => ("WWW-Authenticate", header(Type::String, "`Bearer`.")),
-                s if method_post && s.starts_with('2') => (
+                s if post && s.starts_with('2') => (
                     "Idempotent-Replayed",
                     header(
                         Type::String,
@@ -260,7 +256,7 @@ fn add_idempotency_key(doc: &mut Document) {
 }
 
 fn add_common_refusals(doc: &mut Document) {
-    for (path, op) in operations(doc) {
+    for (path, _, op) in operations(doc) {
         let has_body = op.request_body.is_some();
         let open = OPEN_PATHS.contains(&path.as_str());
         for (code, what, body_only, token_only) in COMMON {

@@ -33,7 +33,7 @@ pub struct CliError {
 }
 
 impl CliError {
-    fn new(code: &str, detail: impl Into<String>, exit: u8) -> Self {
+    pub fn new(code: &str, detail: impl Into<String>, exit: u8) -> Self {
         Self {
             code: code.to_owned(),
             detail: detail.into(),

@@ -171,16 +171,16 @@ async fn follow(
         while let Ok(Some(msg)) = reader.next().await {
             if msg.event == "error" {
                 let v: Value = serde_json::from_str(&msg.data).unwrap_or_default();
-                let mut e = CliError::local(v["detail"].as_str().unwrap_or(&msg.data).to_owned());
-                e.code = v["code"].as_str().unwrap_or("stream_error").to_owned();
+                let code = v["code"].as_str().unwrap_or("stream_error");
+                let detail = v["detail"].as_str().unwrap_or(&msg.data);
                 // A store that failed mid-stream is an outage like any 503:
                 // waited out, from the last event seen.
                 if v["status"] == 503 {
-                    e.exit = super::error::EXIT_UNREACHABLE;
+                    let e = CliError::new(code, detail, super::error::EXIT_UNREACHABLE);
                     reconnect.after(e).await?;
                     break;
                 }
-                return Err(e);
+                return Err(CliError::new(code, detail, 1));
             }
             let v: Value = serde_json::from_str(&msg.data)
                 .map_err(|e| CliError::local(format!("an event does not parse: {e}")))?;

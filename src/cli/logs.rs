@@ -36,11 +36,7 @@ pub async fn run(a: LogsArgs, client: &Client) -> Result<(), CliError> {
         Stream::Stdout
     };
     if !a.follow {
-        let mut offset = 0;
-        while let n @ 1.. = read_from(client, id, stream, offset).await? {
-            offset += n;
-        }
-        return Ok(());
+        return drain(client, id, stream, &mut 0).await;
     }
     until_reader_gone(follow(client, id, stream)).await
 }
@@ -71,18 +67,27 @@ async fn step(
     stream: Stream,
     offset: &mut i64,
 ) -> Result<bool, CliError> {
-    while let n @ 1.. = read_from(client, id, stream, *offset).await? {
-        *offset += n;
-    }
+    drain(client, id, stream, offset).await?;
     let p: ProcessView = client.get(&format!("/v1/processes/{id}")).await?.json()?;
     if p.state.is_current() {
         return Ok(false);
     }
     // It has ended: what it wrote before is all there is, once read.
+    drain(client, id, stream, offset).await?;
+    Ok(true)
+}
+
+/// Print what the log holds past `offset`, chunk by chunk, to its end.
+async fn drain(
+    client: &Client,
+    id: &str,
+    stream: Stream,
+    offset: &mut i64,
+) -> Result<(), CliError> {
     while let n @ 1.. = read_from(client, id, stream, *offset).await? {
         *offset += n;
     }
-    Ok(true)
+    Ok(())
 }
 
 /// Copy what the log holds from `offset` (up to a chunk) to stdout.

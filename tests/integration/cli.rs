@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use rustix::process::{Pid, Signal, kill_process};
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, Command};
 
 use crate::kill::Group;
@@ -85,6 +85,14 @@ async fn finish(child: Child) -> Out {
 
 async fn out(mut cmd: Command) -> Out {
     finish(cmd.spawn().expect("spawn holdfast")).await
+}
+
+/// The next line a child writes, within `LIMIT`; None at the end of its output.
+async fn next_line<R: AsyncBufRead + Unpin>(lines: &mut Lines<R>) -> Option<String> {
+    tokio::time::timeout(LIMIT, lines.next_line())
+        .await
+        .expect("in time")
+        .expect("read")
 }
 
 /// Run and expect exit 0.
@@ -723,16 +731,10 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
         .spawn()
         .expect("spawn");
     let mut lines = BufReader::new(follower.stdout.take().expect("stdout")).lines();
-    let first = tokio::time::timeout(LIMIT, lines.next_line())
-        .await
-        .expect("in time")
-        .expect("read");
+    let first = next_line(&mut lines).await;
     assert_eq!(first.as_deref(), Some(expect.trim_end()));
     std::fs::write(tmp.path().join("go"), "").expect("go");
-    let second = tokio::time::timeout(LIMIT, lines.next_line())
-        .await
-        .expect("in time")
-        .expect("read");
+    let second = next_line(&mut lines).await;
     assert_eq!(
         second.as_deref(),
         Some("bye"),
@@ -831,11 +833,7 @@ async fn cli_events_read_filtered_and_followed() {
 
     let mut people = hf(&s, "events --follow --after 0").spawn().expect("spawn");
     let mut lines = BufReader::new(people.stdout.take().expect("stdout")).lines();
-    let first = tokio::time::timeout(LIMIT, lines.next_line())
-        .await
-        .expect("in time")
-        .expect("read")
-        .expect("line");
+    let first = next_line(&mut lines).await.expect("line");
     assert!(
         first.contains("lease.acquired") && first.contains("ev/a"),
         "{first}"
@@ -859,13 +857,11 @@ async fn cli_followers_wait_out_a_server_that_is_down() {
     .expect("spawn");
     let mut lines = BufReader::new(follower.stdout.take().expect("stdout")).lines();
     let mut said = BufReader::new(follower.stderr.take().expect("stderr")).lines();
-    let next = |line: Option<String>| line.expect("a line");
-    let first = tokio::time::timeout(LIMIT, lines.next_line()).await;
-    assert!(next(first.expect("in time").expect("read")).contains("down/1"));
+    let first = next_line(&mut lines).await.expect("a line");
+    assert!(first.contains("down/1"), "{first}");
 
     s.kill9().await;
-    let note = tokio::time::timeout(LIMIT, said.next_line()).await;
-    let note = next(note.expect("in time").expect("read"));
+    let note = next_line(&mut said).await.expect("a line");
     assert!(note.contains("trying again until interrupted"), "{note}");
     // Longer than any one call's retries (and than the five seconds this
     // follower once gave up after): what is tested is time passing.
@@ -879,30 +875,28 @@ async fn cli_followers_wait_out_a_server_that_is_down() {
     // command (a wrong --url must not wait for ever), with or without
     // --after, for events and for logs.
     let p = "0193a6c5-6a4c-7d6e-8f00-000000000000";
-    for args in [
+    for cmd in [
         &["events", "--follow"][..],
         &["events", "--follow", "--after", "3"],
         &["logs", p, "--follow"],
     ] {
         let mut all = vec!["--socket", sock];
-        all.extend_from_slice(args);
+        all.extend_from_slice(cmd);
         let o = out(holdfast(&all)).await;
-        assert_eq!(o.code, 69, "{args:?}: {}", o.stderr);
+        assert_eq!(o.code, 69, "{cmd:?}: {}", o.stderr);
         assert_error_line(&o, "unreachable");
     }
 
     let s = Server::start_in(dir.path(), &args).await;
     s.acquire_ok("down/2", "h").await;
-    let line = tokio::time::timeout(LIMIT, lines.next_line()).await;
-    let line = next(line.expect("in time").expect("read"));
+    let line = next_line(&mut lines).await.expect("a line");
     let ev: Value = serde_json::from_str(&line).expect("one event per line");
     assert_eq!(
         ev["lease"]["resource"], "down/2",
         "from the last seq seen: {ev}"
     );
-    let back = tokio::time::timeout(LIMIT, said.next_line()).await;
     assert_eq!(
-        next(back.expect("in time").expect("read")),
+        next_line(&mut said).await.expect("a line"),
         "holdfast: connected again"
     );
 }
@@ -919,8 +913,7 @@ async fn cli_followers_end_when_their_reader_does() {
     for line in ["events --follow --after 0", logs.as_str()] {
         let mut follower = hf(&s, line).spawn().expect("spawn");
         let mut lines = BufReader::new(follower.stdout.take().expect("stdout")).lines();
-        let first = tokio::time::timeout(LIMIT, lines.next_line()).await;
-        assert!(first.expect("in time").expect("read").is_some(), "{line}");
+        assert!(next_line(&mut lines).await.is_some(), "{line}");
         // The reader goes away (as `| head -1` would) while nothing new is
         // written: the follower learns it from the pipe, not from a write.
         drop(lines);

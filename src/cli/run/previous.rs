@@ -62,13 +62,11 @@ pub async fn wait_until_stopped(
             previous.resource
         );
         if tokio::time::Instant::now() >= deadline {
-            let mut e = CliError::local(format!(
+            let detail = format!(
                 "{what} is still {}; the command was not started",
                 p.state.as_str()
-            ));
-            e.code = "previous_running".into();
-            e.exit = conflict;
-            return Err(e);
+            );
+            return Err(CliError::new("previous_running", detail, conflict));
         }
         if !said {
             said = true;
