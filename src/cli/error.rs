@@ -129,6 +129,7 @@ fn flag_of(field: &str) -> Option<&'static str> {
     Some(match field {
         "ttl_ms" => "--ttl",
         "wait_ms" => "--wait",
+        "after" => "--after",
         "grace_ms" => "--grace",
         "holder" => "--holder",
         "resource" => "RESOURCE",

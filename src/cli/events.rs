@@ -37,7 +37,7 @@ struct EventList {
 #[derive(Debug, Args)]
 pub struct EventsArgs {
     /// Events after this seq [default: from the oldest kept; with --follow, from now]
-    #[arg(long, value_name = "SEQ")]
+    #[arg(long, value_name = "SEQ", allow_negative_numbers = true)]
     after: Option<i64>,
     /// Keep printing events as they happen, until interrupted
     #[arg(long)]
@@ -147,6 +147,7 @@ async fn follow(
     json: bool,
     mut reconnect: Reconnect,
 ) -> Result<(), CliError> {
+    let mut header = !json;
     loop {
         let opened = async {
             let res = client
@@ -191,14 +192,21 @@ async fn follow(
             if json {
                 print_json_text(&msg.data)?;
             } else {
+                // Rows go out as they come, so the widths are fixed, and
+                // the header waits for the first (as `events` prints none
+                // over an empty table).
+                if std::mem::take(&mut header) {
+                    super::table::print_text(&follow_row(["SEQ", "TIME", "TYPE", "SUBJECT"]))?;
+                }
                 let c = cells(&parse(v)?);
-                super::table::print_text(&format!(
-                    "{:>6}  {}  {:<18}  {}\n",
-                    c[0], c[1], c[2], c[3]
-                ))?;
+                super::table::print_text(&follow_row([&c[0], &c[1], &c[2], &c[3]]))?;
             }
         }
     }
+}
+
+fn follow_row([seq, time, kind, subject]: [&str; 4]) -> String {
+    format!("{seq:>6}  {time:<19}  {kind:<18}  {subject}\n")
 }
 
 /// Whether an event follows `after`; Err(oldest kept) when retention

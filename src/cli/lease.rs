@@ -25,7 +25,7 @@ pub enum LeaseCmd {
         /// The lease's id (as `acquire` printed it)
         id: String,
         /// The lease's fencing token
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         token: i64,
         /// A new TTL, kept for later renewals [default: the lease's own]
         #[arg(long, value_name = "DUR", value_parser = duration::parse)]
@@ -36,10 +36,10 @@ pub enum LeaseCmd {
         /// The lease's id (as `acquire` printed it)
         id: String,
         /// The lease's fencing token
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         token: i64,
         /// The process the lease is bound to: it ends when that process does
-        #[arg(long, value_name = "PID")]
+        #[arg(long, value_name = "PID", allow_negative_numbers = true)]
         owner_pid: i64,
     },
     /// Release a lease (and the ports it holds).
@@ -47,7 +47,7 @@ pub enum LeaseCmd {
         /// The lease's id (as `acquire` printed it)
         id: String,
         /// The lease's fencing token
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         token: i64,
     },
     /// End a current lease whatever its owner (admin only).
@@ -81,7 +81,12 @@ pub struct AcquireArgs {
     #[arg(long, value_name = "DUR", value_parser = duration::parse)]
     pub wait: Option<Duration>,
     /// Bind the lease to this process: it ends when the process does
-    #[arg(long, value_name = "PID", required_unless_present = "ttl")]
+    #[arg(
+        long,
+        value_name = "PID",
+        required_unless_present = "ttl",
+        allow_negative_numbers = true
+    )]
     pub owner_pid: Option<i64>,
     /// Create the lease reserved, to be activated later
     #[arg(long)]

@@ -59,7 +59,7 @@ pub struct StopArgs {
     /// The process's id (as `spawn` or `ps` printed it)
     id: String,
     /// The process's token
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     token: i64,
     /// Between SIGTERM and SIGKILL [default: 5s]
     #[arg(long, value_name = "DUR", value_parser = duration::parse)]

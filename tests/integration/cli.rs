@@ -569,6 +569,17 @@ async fn cli_refusals_and_local_errors_exit_1() {
         "names the flag: {}",
         o.stderr
     );
+    // A negative number is a value the server refuses, naming the flag,
+    // not an unknown flag of clap's.
+    for (line, flag) in [
+        (format!("lease renew {} --token -3", id(&held)), "(--token)"),
+        ("events --after -1".to_string(), "(--after)"),
+    ] {
+        let o = out(hf(&s, &line)).await;
+        assert_eq!(o.code, 1, "{line}: {}", o.stderr);
+        assert_error_line(&o, "validation");
+        assert!(o.stderr.trim_end().ends_with(flag), "{line}: {}", o.stderr);
+    }
     let o = out(hf(&s, "lease list --token-file /nonexistent/token")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "local");
@@ -833,10 +844,22 @@ async fn cli_events_read_filtered_and_followed() {
 
     let mut people = hf(&s, "events --follow --after 0").spawn().expect("spawn");
     let mut lines = BufReader::new(people.stdout.take().expect("stdout")).lines();
+    let header = next_line(&mut lines).await.expect("line");
     let first = next_line(&mut lines).await.expect("line");
+    assert_eq!(
+        header.split_whitespace().collect::<Vec<_>>(),
+        ["SEQ", "TIME", "TYPE", "SUBJECT"],
+        "{header}"
+    );
     assert!(
         first.contains("lease.acquired") && first.contains("ev/a"),
         "{first}"
+    );
+    // The columns line up under the header: TYPE starts where the type does.
+    assert_eq!(
+        header.find("TYPE"),
+        first.find("lease.acquired"),
+        "{header}\n{first}"
     );
 }
 
