@@ -13,8 +13,10 @@ use crate::model::Identity;
 /// The recorded process, checked now.
 #[derive(Debug)]
 pub enum Verified {
-    /// The same process: signal it through this pidfd.
-    Same(OwnedFd),
+    /// The same process: signal it through this pidfd. With the process
+    /// group it is in now, which need not be the one it was recorded in
+    /// (`setpgid(2)`).
+    Same(OwnedFd, Option<i32>),
     /// No process with that pid, or only its zombie.
     Absent,
     /// The pid now belongs to another process: signal nothing.
@@ -70,7 +72,7 @@ pub fn verify(host: &dyn Host, recorded: &Identity) -> Result<Verified, ObserveE
         }
     };
     match host.observe(recorded.pid) {
-        Ok(now) if recorded.same_process(&now) => Ok(Verified::Same(fd)),
+        Ok(now) if recorded.same_process(&now) => Ok(Verified::Same(fd, now.pgid)),
         Ok(_) => Ok(Verified::Reused),
         Err(ObserveError::NotFound(_)) => Ok(Verified::Absent),
         Err(e) => Err(e),

@@ -445,7 +445,7 @@ impl Processes {
         let id = rec.id.clone();
         tokio::spawn(async move {
             match signal::verify(me.host.as_ref(), &ident) {
-                Ok(Verified::Same(fd)) => crate::host::watch::exited(fd).await,
+                Ok(Verified::Same(fd, _)) => crate::host::watch::exited(fd).await,
                 Ok(_) => {}
                 // Not known to be gone: leave it to the reconciler's sweep.
                 Err(e) => {

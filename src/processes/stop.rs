@@ -47,12 +47,31 @@ fn send(host: &dyn Host, ident: &Identity, pgid: Option<i32>, sig: Sig, reason: 
         ),
     };
     match signal::verify(host, ident) {
-        Ok(Verified::Same(fd)) => {
-            let (target, result) = match pgid {
-                Some(g) => ("group", signal::signal_group(g, sig)),
-                None => ("process", signal::signal_process(&fd, sig)),
+        Ok(Verified::Same(fd, now)) => {
+            let result = match pgid {
+                Some(g) if now == Some(g) => {
+                    let result = signal::signal_group(g, sig);
+                    log("group", &result);
+                    result
+                }
+                // It left the group it led (`setpgid(2)`): the signal goes
+                // to it through its pidfd, and to what is left of its old
+                // group, never to the group it is in now, which is not
+                // the record's.
+                Some(g) => {
+                    let result = signal::signal_process(&fd, sig);
+                    log("process (it left its group)", &result);
+                    if signal::group_alive(g) {
+                        log("group (its leader left)", &signal::signal_group(g, sig));
+                    }
+                    result
+                }
+                None => {
+                    let result = signal::signal_process(&fd, sig);
+                    log("process", &result);
+                    result
+                }
             };
-            log(target, &result);
             if result.is_ok() {
                 Sent::Signalled(Some(fd))
             } else {

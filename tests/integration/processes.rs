@@ -468,6 +468,45 @@ async fn stop_kills_a_group_whose_leader_ignores_sigterm_grandchildren_included(
     assert!(reaped, "zombies left under server {server}");
 }
 
+stores!(stop_reaches_a_leader_that_left_its_group_and_not_the_group_it_joined);
+async fn stop_reaches_a_leader_that_left_its_group_and_not_the_group_it_joined() {
+    let s = Server::start().await;
+    // The child starts a group of its own (a bystander's, for this test),
+    // then moves into it: its recorded group is left empty.
+    let script = "$| = 1; my $g = fork() // die; \
+        if ($g == 0) { setpgrp(0, 0) or die; sleep 600; exit 0 } \
+        select(undef, undef, undef, 0.01) until getpgrp($g) == $g; \
+        setpgrp(0, $g) or die \"setpgid: $!\"; sleep 600";
+    let p = s
+        .spawn(json!({"kind": "leaver", "command": {"argv": ["perl", "-e", script]}}))
+        .await;
+    let leader = p["pid"].as_i64().expect("pid");
+    assert_eq!(p["pgid"].as_i64(), Some(leader), "{p}");
+    let joined = || {
+        i32::try_from(leader)
+            .ok()
+            .and_then(crate::kill::stat)
+            .map(|st| i64::from(st.pgrp))
+            .filter(|&g| g != leader)
+    };
+    assert!(
+        until(Duration::from_secs(10), || joined().is_some()).await,
+        "it never moved"
+    );
+    let bystander = joined().expect("the group it joined");
+    let stop = s
+        .process_op(&id(&p), "stop", json!({"token": 1, "grace_ms": 2000}))
+        .await;
+    assert_eq!(stop.status, StatusCode::OK, "{}", stop.body);
+    assert_eq!(stop.body["state"], "stopped", "{}", stop.body);
+    assert!(!alive(leader), "the recorded process was not reached");
+    assert!(alive(bystander), "the group it joined was signalled");
+    std::process::Command::new("kill")
+        .args(["-9", &bystander.to_string()])
+        .status()
+        .expect("kill");
+}
+
 stores!(stop_without_force_leaves_a_stubborn_tree_running);
 async fn stop_without_force_leaves_a_stubborn_tree_running() {
     let s = Server::start().await;
