@@ -31,7 +31,7 @@ struct Table {
     /// Every pid looked up, in order.
     lookups: Vec<i32>,
     /// Which pids hold a file open.
-    holders: HashMap<std::path::PathBuf, Vec<i32>>,
+    writers: HashMap<std::path::PathBuf, Vec<i32>>,
 }
 
 pub struct FakeHost {
@@ -143,9 +143,9 @@ impl FakeHost {
         i
     }
 
-    /// Which staged processes hold `file` open.
-    pub fn hold(&self, file: &std::path::Path, pids: &[i32]) {
-        self.table().holders.insert(file.to_owned(), pids.to_vec());
+    /// Which staged processes hold `file` open for writing.
+    pub fn write_to(&self, file: &std::path::Path, pids: &[i32]) {
+        self.table().writers.insert(file.to_owned(), pids.to_vec());
     }
 
     /// The pids looked up so far, in order.
@@ -155,11 +155,11 @@ impl FakeHost {
 }
 
 impl Host for FakeHost {
-    fn holders_of(&self, files: &[&std::path::Path]) -> Vec<i32> {
+    fn writers_of(&self, files: &[&std::path::Path]) -> Vec<i32> {
         let t = self.table();
         files
             .iter()
-            .filter_map(|f| t.holders.get(*f))
+            .filter_map(|f| t.writers.get(*f))
             .flatten()
             .copied()
             .filter(|pid| matches!(t.slots.get(pid), Some(Slot::Running(_))))

@@ -157,7 +157,7 @@ impl Host for ProcHost {
         self.read_identity(pid, true)
     }
 
-    fn holders_of(&self, files: &[&Path]) -> Vec<i32> {
+    fn writers_of(&self, files: &[&Path]) -> Vec<i32> {
         // The kernel shows an open file's path resolved, as canonicalize does.
         let wanted: Vec<PathBuf> = files.iter().filter_map(|f| f.canonicalize().ok()).collect();
         if wanted.is_empty() {
@@ -169,15 +169,27 @@ impl Host for ProcHost {
         dir.flatten()
             .filter_map(|entry| entry.file_name().to_str()?.parse::<i32>().ok())
             .filter(|pid| {
-                let fds = self.proc_root.join(pid.to_string()).join("fd");
-                fs::read_dir(fds).is_ok_and(|fds| {
+                let dir = self.proc_root.join(pid.to_string());
+                fs::read_dir(dir.join("fd")).is_ok_and(|fds| {
                     fds.flatten().any(|fd| {
                         fs::read_link(fd.path()).is_ok_and(|target| wanted.contains(&target))
+                            && opened_for_writing(&dir.join("fdinfo").join(fd.file_name()))
                     })
                 })
             })
             .collect()
     }
+}
+
+/// Whether the descriptor `/proc/<pid>/fdinfo/<fd>` describes was opened
+/// to write (its `flags`, in octal, with an access mode other than O_RDONLY).
+fn opened_for_writing(fdinfo: &Path) -> bool {
+    fs::read_to_string(fdinfo).is_ok_and(|info| {
+        info.lines()
+            .find_map(|line| line.strip_prefix("flags:"))
+            .and_then(|flags| u32::from_str_radix(flags.trim(), 8).ok())
+            .is_some_and(|flags| flags & rustix::fs::OFlags::ACCMODE.bits() != 0)
+    })
 }
 
 impl ProcHost {

@@ -38,9 +38,12 @@ pub trait Host: Send + Sync + 'static {
         self.observe(pid)
     }
 
-    /// The live processes that hold one of `files` open: how a child is
-    /// found again whose pid was never recorded (it writes to its log files).
-    fn holders_of(&self, files: &[&std::path::Path]) -> Vec<i32>;
+    /// The live processes that hold one of `files` open for writing: how a
+    /// child is found again whose pid was never recorded (it writes to its
+    /// log files, through the descriptors it was started with). A reader
+    /// (`tail -f`, a log shipper, any local user: the files are
+    /// world-readable) is none of the spawn's, and is not among them.
+    fn writers_of(&self, files: &[&std::path::Path]) -> Vec<i32>;
 
     /// Judge a recorded identity now.
     fn judge(&self, recorded: &Identity) -> Judgement {

@@ -103,7 +103,7 @@ impl Processes {
 
     /// A spawn the server stopped in, between recording it and recording its
     /// child. A child that started is found by the log files it holds open
-    /// (named by the record's id): the one that leads its group is adopted
+    /// for writing (named by the record's id): the one that leads its group is adopted
     /// as `running`; what is left of a spawn whose leader is gone is killed.
     async fn recover_spawn(self: &Arc<Self>, rec: &ProcessRecord) -> Result<(), StoreError> {
         let files: Vec<&Path> = rec
@@ -113,7 +113,7 @@ impl Processes {
             .collect();
         let mut found: Vec<Identity> = self
             .host
-            .holders_of(&files)
+            .writers_of(&files)
             .into_iter()
             .filter_map(|pid| self.host.observe(pid).ok())
             .filter(|i| self.own.refusal(i).is_none())

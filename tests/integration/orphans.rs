@@ -1,6 +1,7 @@
 //! Processes whose owner went away are claimed and stopped; after a
 //! restart, running processes are found again and watched.
 
+use std::os::unix::process::CommandExt;
 use std::time::Duration;
 
 use reqwest::StatusCode;
@@ -171,18 +172,7 @@ async fn a_child_spawned_before_a_crash_is_adopted_though_its_pid_was_not_record
         .spawn(json!({"kind": "dev", "operation_id": "op-crash", "command": {"argv": ["sleep", "600"]}}))
         .await;
     let pid = p["pid"].as_i64().expect("pid");
-    s.kill9().await;
-    // As if the server had been killed after the fork, before the second
-    // transaction recorded the child.
-    crate::stores::execute_sql(
-        dir.path(),
-        &format!(
-            "UPDATE processes SET state = 'starting', identity = NULL, started_at = NULL \
-             WHERE id = '{}'",
-            id(&p)
-        ),
-    )
-    .await;
+    cut_after_the_fork(s, dir.path(), &p).await;
 
     let s = Server::start_in(dir.path(), &[]).await;
     let now = s.process(&id(&p)).await;
@@ -211,6 +201,66 @@ async fn a_child_spawned_before_a_crash_is_adopted_though_its_pid_was_not_record
         .await;
     assert_eq!(stop.body["state"], "stopped", "{}", stop.body);
     assert!(!alive(pid));
+}
+
+/// Kill the server as if after the fork of `p`'s spawn, before the second
+/// transaction recorded its child.
+async fn cut_after_the_fork(s: Server, dir: &std::path::Path, p: &serde_json::Value) {
+    s.kill9().await;
+    crate::stores::execute_sql(
+        dir,
+        &format!(
+            "UPDATE processes SET state = 'starting', identity = NULL, started_at = NULL \
+             WHERE id = '{}'",
+            id(p)
+        ),
+    )
+    .await;
+}
+
+stores!(a_reader_of_a_cut_spawn_s_log_is_neither_adopted_nor_killed);
+async fn a_reader_of_a_cut_spawn_s_log_is_neither_adopted_nor_killed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Server::start_in(dir.path(), &[]).await;
+    let p = s
+        .spawn(json!({"kind": "dev", "command": {"argv": ["sleep", "600"]}}))
+        .await;
+    let child = p["pid"].as_i64().expect("pid");
+    cut_after_the_fork(s, dir.path(), &p).await;
+    // The child died with the server; a reader of its log (a user's
+    // `tail -f`, leading a group of its own, as the child did) is left.
+    std::process::Command::new("kill")
+        .args(["-9", &child.to_string()])
+        .status()
+        .expect("kill");
+    let mut reader = std::process::Command::new("tail")
+        .args(["-f", p["logs"]["stdout"].as_str().expect("stdout")])
+        .process_group(0)
+        .spawn()
+        .expect("tail");
+    let reader_pid = i64::from(reader.id());
+    let log = std::fs::canonicalize(p["logs"]["stdout"].as_str().expect("stdout")).expect("log");
+    let opened = || {
+        std::fs::read_dir(format!("/proc/{reader_pid}/fd")).is_ok_and(|mut fds| {
+            fds.any(|fd| fd.is_ok_and(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == log)))
+        })
+    };
+    assert!(crate::support::until(Duration::from_secs(5), opened).await);
+    assert!(crate::support::until(Duration::from_secs(5), || !alive(child)).await);
+
+    let s = Server::start_in(dir.path(), &[]).await;
+    let now = s.process(&id(&p)).await;
+    assert_eq!(
+        (now["state"].as_str(), now["end_reason"].as_str()),
+        (
+            Some("failed"),
+            Some("spawn_failed: the server restarted while spawning")
+        ),
+        "{now}"
+    );
+    assert!(alive(reader_pid), "the reader was killed");
+    reader.kill().expect("kill");
+    reader.wait().expect("wait");
 }
 
 stores!(an_unconfirmed_registration_outlives_its_lease_until_it_is_ended);
