@@ -129,7 +129,7 @@ impl App {
             match config.database().map_err(StartError::Config)? {
                 Database::Sqlite(path) => {
                     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                        std::fs::create_dir_all(dir).map_err(|source| StartError::DataDir {
+                        create_private_dir(dir).map_err(|source| StartError::DataDir {
                             path: dir.display().to_string(),
                             source,
                         })?;
@@ -290,4 +290,16 @@ fn bind_unix(path: &std::path::Path, mode: u32) -> Result<tokio::net::UnixListen
     let listener = tokio::net::UnixListener::bind(path)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
     Ok(listener)
+}
+
+/// Create `dir` (and its missing parents) readable by the server's user
+/// alone: the database holds the spawned commands' environments, and the
+/// logs their output, which the API serves only to callers that pass its
+/// token. A directory that exists keeps its mode.
+pub(crate) fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
 }

@@ -88,6 +88,18 @@ fn runnable(program: &Path) -> Result<(), String> {
     ))
 }
 
+/// A log file, new and empty, for the server's user alone (the API serves
+/// it to callers that pass its token).
+fn log_file(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+}
+
 /// The child may never gain privileges (setuid binaries, file capabilities).
 #[allow(unsafe_code)]
 fn set_no_new_privs(cmd: &mut std::process::Command) {
@@ -161,8 +173,8 @@ impl Reaper {
             .argv
             .split_first()
             .ok_or_else(|| std::io::Error::other("empty argv"))?;
-        let stdout = File::create(&spec.stdout)?;
-        let stderr = File::create(&spec.stderr)?;
+        let stdout = log_file(&spec.stdout)?;
+        let stderr = log_file(&spec.stderr)?;
         let mut cmd = std::process::Command::new(program);
         cmd.args(args)
             .stdin(Stdio::null())

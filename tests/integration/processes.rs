@@ -507,6 +507,37 @@ async fn stop_reaches_a_leader_that_left_its_group_and_not_the_group_it_joined()
         .expect("kill");
 }
 
+/// On disk as on the API: the database holds the spawned commands'
+/// environments, the logs their output; neither is for other local users.
+#[tokio::test]
+async fn the_data_dir_its_database_and_logs_are_the_server_s_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let data = tmp.path().join("state/holdfast");
+    let s = Server::start_in(&data, &[]).await;
+    let p = s
+        .spawn(
+            json!({"kind": "secret", "command": {"argv": ["sh", "-c", "echo $TOKEN"],
+                      "env": {"TOKEN": "s3cret"}}}),
+        )
+        .await;
+    let mode = |path: &std::path::Path| {
+        std::fs::metadata(path)
+            .map(|m| m.permissions().mode() & 0o777)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    };
+    for dir in [data.clone(), data.join("logs")] {
+        assert_eq!(mode(&dir), 0o700, "{}", dir.display());
+    }
+    for file in ["holdfast.db", "holdfast.db-wal"] {
+        assert_eq!(mode(&data.join(file)), 0o600, "{file}");
+    }
+    for log in ["stdout", "stderr"] {
+        let path = p["logs"][log].as_str().expect("log path");
+        assert_eq!(mode(std::path::Path::new(path)), 0o600, "{path}");
+    }
+}
+
 stores!(stop_without_force_leaves_a_stubborn_tree_running);
 async fn stop_without_force_leaves_a_stubborn_tree_running() {
     let s = Server::start().await;

@@ -129,6 +129,23 @@ pub(super) async fn last_event_seq<E: Exec + ?Sized>(c: &mut E) -> Result<i64> {
     Ok(scalar(c, s).await?.unwrap_or(0))
 }
 
+/// Create the database file, empty (SQLite's empty database), for the
+/// server's user alone: SQLite makes its `-wal` and `-shm` files with the
+/// same mode. A file that exists keeps its mode.
+fn create_private_file(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 fn options(path: &Path) -> SqliteConnectOptions {
     SqliteConnectOptions::new()
         .filename(path)
@@ -148,6 +165,8 @@ impl SqlStore<Sqlite> {
         now: Millis,
         listener: Arc<dyn CommitListener>,
     ) -> Result<Self> {
+        create_private_file(path)
+            .map_err(|e| StoreError::Unavailable(format!("creating {}: {e}", path.display())))?;
         let setup_opts = options(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
