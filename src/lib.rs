@@ -44,6 +44,7 @@
 pub mod api;
 pub mod caller;
 pub mod config;
+pub mod data_dir;
 pub mod events;
 pub mod host;
 pub mod idempotency;
@@ -85,6 +86,14 @@ pub enum StartError {
         path: String,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Lock(#[from] data_dir::LockError),
+    #[error("cannot listen on {on}: {source} (see {flag})")]
+    Listen {
+        on: String,
+        flag: &'static str,
+        source: std::io::Error,
+    },
     #[error("serving: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -93,6 +102,8 @@ pub enum StartError {
 pub struct App {
     pub state: api::AppState,
     pub config: Config,
+    /// The data dir and SQLite file, this server's until it ends.
+    _held: Vec<data_dir::Held>,
 }
 
 impl App {
@@ -125,15 +136,39 @@ impl App {
         let facts = LocalFacts::read(config.host_id.clone()).map_err(StartError::Host)?;
         let host: Arc<dyn Host> = Arc::new(ProcHost::new(facts.clone()));
         let hub = Arc::new(Hub::new(0));
+        let data_dir = config.data_dir();
+        let create = |dir: &std::path::Path| {
+            data_dir::create_private_dir(dir).map_err(|source| StartError::DataDir {
+                path: dir.display().to_string(),
+                source,
+            })
+        };
+        create(&data_dir)?;
+        let mut held = vec![data_dir::hold(
+            data_dir.join("holdfast.lock"),
+            &data_dir::Guarded {
+                what: "the data directory",
+                path: &data_dir,
+                flag: "--data-dir",
+            },
+        )?];
         let backend: Arc<dyn store::Backend> =
             match config.database().map_err(StartError::Config)? {
                 Database::Sqlite(path) => {
                     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                        create_private_dir(dir).map_err(|source| StartError::DataDir {
-                            path: dir.display().to_string(),
-                            source,
-                        })?;
+                        create(dir)?;
                     }
+                    // Its own lock too: another data dir may name the same file.
+                    let mut lock = path.clone().into_os_string();
+                    lock.push(".lock");
+                    held.push(data_dir::hold(
+                        lock.into(),
+                        &data_dir::Guarded {
+                            what: "the database",
+                            path: &path,
+                            flag: "--database",
+                        },
+                    )?);
                     Arc::new(
                         SqliteStore::open(&path, &facts.boot_id, time::now_ms(), hub.clone())
                             .await?,
@@ -156,7 +191,6 @@ impl App {
         let metrics = Arc::new(metrics::Metrics::new(store.backend().write_counters()));
         let leases = leases::Leases::new(store.clone(), host.clone(), &hub, metrics.clone());
         let reaper = host::spawn::Reaper::start()?;
-        let data_dir = config.data_dir();
         let processes = processes::Processes::new(store.clone(), host.clone(), reaper, &data_dir)
             .map_err(|source| StartError::DataDir {
             path: data_dir.display().to_string(),
@@ -176,7 +210,11 @@ impl App {
             unkept: Arc::default(),
             in_flight: Arc::default(),
         });
-        Ok(Self { state, config })
+        Ok(Self {
+            state,
+            config,
+            _held: held,
+        })
     }
 
     pub fn router(&self) -> axum::Router {
@@ -187,7 +225,17 @@ impl App {
     /// file from an earlier run is replaced; the new one gets the configured mode.
     pub async fn bind(&self) -> Result<Listeners, StartError> {
         let tcp = match self.config.listen {
-            Listen::Tcp(addr) => Some(TcpListener::bind(addr).await?),
+            Listen::Tcp(addr) => {
+                Some(
+                    TcpListener::bind(addr)
+                        .await
+                        .map_err(|source| StartError::Listen {
+                            on: addr.to_string(),
+                            flag: "--listen",
+                            source,
+                        })?,
+                )
+            }
             Listen::None => None,
         };
         let unix = match &self.config.unix_socket {
@@ -284,22 +332,29 @@ pub struct Listeners {
 
 fn bind_unix(path: &std::path::Path, mode: u32) -> Result<tokio::net::UnixListener, StartError> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let failed = |source| StartError::Listen {
+        on: path.display().to_string(),
+        flag: "--unix-socket",
+        source,
+    };
     if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
-        std::fs::remove_file(path)?;
+        // Stale only when nothing accepts on it: a live server's socket,
+        // unlinked, would leave that server unreachable.
+        match std::os::unix::net::UnixStream::connect(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                std::fs::remove_file(path).map_err(failed)?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Ok(_) => {
+                return Err(failed(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    "a server is listening on it",
+                )));
+            }
+            Err(e) => return Err(failed(e)),
+        }
     }
-    let listener = tokio::net::UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    let listener = tokio::net::UnixListener::bind(path).map_err(failed)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(failed)?;
     Ok(listener)
-}
-
-/// Create `dir` (and its missing parents) readable by the server's user
-/// alone: the database holds the spawned commands' environments, and the
-/// logs their output, which the API serves only to callers that pass its
-/// token. A directory that exists keeps its mode.
-pub(crate) fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
 }

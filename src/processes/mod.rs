@@ -140,7 +140,7 @@ impl Processes {
         data_dir: &Path,
     ) -> std::io::Result<Arc<Self>> {
         let logs_dir = data_dir.join("logs");
-        crate::create_private_dir(&logs_dir)?;
+        crate::data_dir::create_private_dir(&logs_dir)?;
         Ok(Arc::new(Self {
             store,
             host,

@@ -9,24 +9,7 @@ use serde_json::json;
 use sqlx::Connection;
 
 use crate::stores::{Store, database_for, postgres_base, run};
-use crate::support::Server;
-
-/// Run `holdfast serve` with `args`, expecting it to exit: its stderr.
-async fn fails_to_start(dir: &std::path::Path, args: &[&str]) -> String {
-    let out = tokio::time::timeout(
-        Duration::from_secs(30),
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(dir)
-            .args(args)
-            .output(),
-    )
-    .await
-    .expect("exits in time")
-    .expect("runs");
-    assert!(!out.status.success(), "it started");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
+use crate::support::{Server, fails_to_start};
 
 async fn admin() -> sqlx::PgConnection {
     let base = postgres_base().expect("PostgreSQL tests are on");

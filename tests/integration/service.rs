@@ -4,7 +4,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 
 use crate::stores::stores;
-use crate::support::Server;
+use crate::support::{Server, fails_to_start};
 
 stores!(health_and_readiness);
 async fn health_and_readiness() {
@@ -119,4 +119,45 @@ async fn served_openapi_document_is_the_checked_in_one() {
     ] {
         assert!(doc["paths"][path].is_object(), "{path} is documented");
     }
+}
+
+/// One server per data dir, SQLite file and socket: a second one refuses to
+/// start, naming what is in use and by whom, and the first serves on.
+#[tokio::test]
+async fn a_second_server_on_what_another_uses_refuses_to_start() {
+    let sock_dir = tempfile::tempdir().expect("tempdir");
+    let sock = sock_dir.path().join("holdfast.sock");
+    let sock_arg = sock.display().to_string();
+    let s = Server::start_with(&["--unix-socket", &sock_arg]).await;
+    let pid = crate::support::server_pid(&s);
+    let db = format!("sqlite://{}/holdfast.db", s.dir().display());
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    for (dir, args, said) in [
+        (s.dir(), &[][..], "the data directory"),
+        (
+            elsewhere.path(),
+            &["--database", db.as_str()][..],
+            "the database",
+        ),
+    ] {
+        let err = fails_to_start(dir, args).await;
+        assert!(
+            err.contains(&format!("{said} "))
+                && err.contains(&format!("in use by another holdfast server (pid {pid})")),
+            "{err}"
+        );
+    }
+    let other = tempfile::tempdir().expect("tempdir");
+    let err = fails_to_start(other.path(), &["--unix-socket", &sock_arg]).await;
+    assert!(
+        err.contains(&format!(
+            "cannot listen on {sock_arg}: a server is listening on it"
+        )),
+        "{err}"
+    );
+    assert!(
+        std::os::unix::net::UnixStream::connect(&sock).is_ok(),
+        "the first server's socket was taken"
+    );
+    assert_eq!(s.get("/healthz").await.status, StatusCode::OK);
 }

@@ -615,3 +615,20 @@ pub async fn curl_as_with(
         serde_json::from_str(body).unwrap_or(Value::String(body.to_owned())),
     )
 }
+
+/// Run `holdfast serve` with `args`, expecting it to exit: its stderr.
+pub async fn fails_to_start(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_holdfast"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(dir)
+            .args(args)
+            .output(),
+    )
+    .await
+    .expect("exits in time")
+    .expect("runs");
+    assert!(!out.status.success(), "it started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
