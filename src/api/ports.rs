@@ -84,11 +84,18 @@ pub struct Reserved {
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct ReleaseRequest {
+pub struct PortReleaseRequest {
     /// The owner's current token.
     #[schema(minimum = 1)]
     #[serde(deserialize_with = "crate::model::int::i64")]
     pub token: i64,
+    /// The id of the lease or process the reservation belongs to. Tokens
+    /// count per resource (every resource's first lease has token 1), so
+    /// the token alone may be another owner's too; given, a reservation of
+    /// any other owner is `409 fenced`. Send it.
+    #[serde(default)]
+    #[schema(format = "uuid")]
+    pub owner_id: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize, IntoParams)]
@@ -229,7 +236,7 @@ async fn list_ports(
 #[utoipa::path(
     post, path = "/v1/ports/{port}/release", tag = "ports",
     params(("port" = u16, Path, description = "The reserved port")),
-    request_body = ReleaseRequest,
+    request_body = PortReleaseRequest,
     responses(
         (status = 200, description = "Released: the reservation, ended", body = PortRecord),
         (status = 404, description = "No current reservation of that port", body = Problem, content_type = "application/problem+json"),
@@ -239,12 +246,25 @@ async fn list_ports(
 async fn release_port(
     State(state): State<AppState>,
     Path(port): Path<String>,
-    Body(req): Body<ReleaseRequest>,
+    Body(req): Body<PortReleaseRequest>,
 ) -> Result<Json<PortRecord>, ApiError> {
     let port: u16 = port
         .parse()
         .map_err(|_| ApiError::NotFound(format!("no reservation of port {port:?}")))?;
     validate::token("token", req.token)?;
+    let owner_id = match &req.owner_id {
+        Some(id) => Some(
+            uuid::Uuid::parse_str(id)
+                .map(|u| u.hyphenated().to_string())
+                .map_err(|_| {
+                    ApiError::validation(
+                        "owner_id",
+                        "owner_id must be the id (a UUID) of the lease or process the port is reserved for",
+                    )
+                })?,
+        ),
+        None => None,
+    };
     answer_in_tx(|out| {
         let out = out.downcast_ref::<Result<PortRecord, PortError>>()?;
         Some(match out {
@@ -252,5 +272,5 @@ async fn release_port(
             Err(e) => ApiError::Port(e.clone()).into_response(),
         })
     });
-    Ok(Json(state.ports.release(port, req.token).await?))
+    Ok(Json(state.ports.release(port, req.token, owner_id).await?))
 }

@@ -43,10 +43,20 @@ impl Ports {
         .map_err(Error::Port)
     }
 
-    pub async fn release(&self, port: u16, token: i64) -> Result<crate::model::PortRecord, Error> {
+    pub async fn release(
+        &self,
+        port: u16,
+        token: i64,
+        owner_id: Option<String>,
+    ) -> Result<crate::model::PortRecord, Error> {
         let host_id = self.host_id();
         in_tx!(self, true, |tx, cx| ops::release(
-            tx, cx, &host_id, port, token
+            tx,
+            cx,
+            &host_id,
+            port,
+            token,
+            owner_id.as_deref()
         ))?
         .map_err(Error::Port)
     }

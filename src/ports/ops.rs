@@ -72,17 +72,19 @@ pub async fn release(
     host_id: &str,
     port: u16,
     token: i64,
+    owner_id: Option<&str>,
 ) -> Result<Result<PortRecord, PortError>> {
     let Some(mut rec) = tx.current_port(host_id, port).await? else {
         return Ok(Err(PortError::NotFound));
     };
     // The owner's token now: a process's changes when the reconciler claims it.
-    let current = match (&rec.owner.process, &rec.owner.lease) {
-        (Some(p), _) => tx.process(&p.id).await?.map(|p| p.token),
-        (None, Some(l)) => Some(l.token),
-        (None, None) => None,
+    let (owner, current) = match (&rec.owner.process, &rec.owner.lease) {
+        (Some(p), _) => (Some(&p.id), tx.process(&p.id).await?.map(|p| p.token)),
+        (None, Some(l)) => (Some(&l.id), Some(l.token)),
+        (None, None) => (None, None),
     };
-    if current != Some(token) {
+    let named_another = owner_id.is_some_and(|id| owner.is_none_or(|o| o != id));
+    if current != Some(token) || named_another {
         return Ok(Err(PortError::Fenced(Box::new(
             serde_json::to_value(&rec).unwrap_or(Value::Null),
         ))));

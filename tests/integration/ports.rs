@@ -51,6 +51,62 @@ async fn concurrent_reservations_never_share_a_port() {
     assert_eq!(s.get("/v1/ports").await.body["items"], json!([]));
 }
 
+stores!(a_release_naming_its_owner_is_fenced_by_it_not_by_the_token_alone);
+async fn a_release_naming_its_owner_is_fenced_by_it_not_by_the_token_alone() {
+    let s = Server::start().await;
+    // Two owners whose tokens are equal, as every resource's first lease's are.
+    let mine = s.acquire_ok("ports/mine", "me").await;
+    let other = s.acquire_ok("ports/other", "them").await;
+    assert_eq!(mine["token"], other["token"]);
+    let r = s
+        .post(
+            "/v1/ports",
+            json!({"names": ["http"], "owner": {"lease": {"id": mine["id"], "token": 1}},
+                   "range": [31100, 31100]}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+
+    let theirs = s
+        .post(
+            "/v1/ports/31100/release",
+            json!({"token": 1, "owner_id": other["id"]}),
+        )
+        .await;
+    assert_eq!(
+        (theirs.status, theirs.code()),
+        (StatusCode::CONFLICT, "fenced"),
+        "{}",
+        theirs.body
+    );
+    assert_eq!(theirs.body["current"]["owner"]["lease"]["id"], mine["id"]);
+    let bad = s
+        .post(
+            "/v1/ports/31100/release",
+            json!({"token": 1, "owner_id": "mine"}),
+        )
+        .await;
+    assert_eq!(
+        (bad.status, bad.code(), bad.body["field"].as_str()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "validation",
+            Some("owner_id")
+        )
+    );
+    let listed = s.get("/v1/ports").await;
+    assert_eq!(listed.body["items"][0]["port"], 31100, "still reserved");
+
+    let released = s
+        .post(
+            "/v1/ports/31100/release",
+            json!({"token": 1, "owner_id": mine["id"]}),
+        )
+        .await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.body);
+    assert!(released.body["released_at"].is_string());
+}
+
 stores!(release_needs_the_owners_token_and_a_full_range_is_exhausted);
 async fn release_needs_the_owners_token_and_a_full_range_is_exhausted() {
     let s = Server::start().await;
