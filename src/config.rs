@@ -93,7 +93,7 @@ pub struct Config {
     pub reconcile_interval_ms: u64,
 
     /// This host's id in recorded identities (default: /etc/machine-id, else the hostname).
-    #[arg(long, env = "HOLDFAST_HOST_ID")]
+    #[arg(long, env = "HOLDFAST_HOST_ID", value_parser = parse_host_id)]
     pub host_id: Option<String>,
 }
 
@@ -111,6 +111,17 @@ fn parse_listen(s: &str) -> Result<Listen, String> {
     s.parse()
         .map(Listen::Tcp)
         .map_err(|e| format!("{s:?} is not ADDR:PORT or none: {e}"))
+}
+
+/// Not empty: an unset variable in a compose file (`HOLDFAST_HOST_ID: ${X}`)
+/// would give every host of a fleet the same id.
+fn parse_host_id(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 256 || s.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(format!(
+            "{s:?} is not a host id: 1 to 256 bytes, no spaces or control characters"
+        ));
+    }
+    Ok(s.to_owned())
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -271,6 +282,19 @@ impl Config {
             return Ok(Database::Sqlite(PathBuf::from(path)));
         }
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            // libpq would take the user's name for the database's, and the
+            // schema would land in whatever database that is.
+            let names_one = url
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .map_err(|e| format!("the PostgreSQL URL does not parse: {e}"))?
+                .get_database()
+                .is_some_and(|db| !db.is_empty());
+            if !names_one {
+                return Err(
+                    "the PostgreSQL URL names no database: end it with /DB (postgres://USER@HOST:PORT/DB)"
+                        .into(),
+                );
+            }
             return Ok(Database::Postgres(url.clone()));
         }
         Err(format!(
@@ -309,6 +333,26 @@ mod tests {
         );
         let c = parse(&["--database", "mysql://x"]);
         assert!(c.database().is_err());
+        // libpq's default database (PGDATABASE, else the user's name) is
+        // not taken for one: the schema would land in it.
+        if std::env::var_os("PGDATABASE").is_none() {
+            for url in ["postgres://u@db:5432", "postgres://u@db:5432/"] {
+                let err = parse(&["--database", url]).database().expect_err(url);
+                assert!(err.contains("names no database"), "{err}");
+            }
+        }
+    }
+
+    #[test]
+    fn host_id_is_a_word() {
+        assert_eq!(
+            parse(&["--host-id", "web-1"]).host_id.as_deref(),
+            Some("web-1")
+        );
+        for bad in ["", "a b", "x\ny"] {
+            let all = vec!["holdfast", "--host-id", bad];
+            assert!(Cli::try_parse_from(all).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

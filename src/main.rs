@@ -120,6 +120,8 @@ fn serve(config: Config) -> ExitCode {
         }
     };
     holdfast::server::raise_fd_limit();
+    let mut config = config;
+    config.max_connections = holdfast::server::connections_that_fit(config.max_connections);
     let result = runtime.block_on(async move {
         let app = App::build(config).await?;
         let listeners = app.bind().await?;

@@ -33,6 +33,10 @@ const DRAIN: Duration = Duration::from_secs(5);
 const BUSY: &str = "{\"type\":\"about:blank\",\"title\":\"Busy\",\"status\":503,\"code\":\"busy\",\
 \"detail\":\"too many connections; retry after the given delay\"}";
 
+/// Files the server keeps open besides its connections: the store's,
+/// the pidfds of the processes it watches, the log files of spawns.
+const FD_HEADROOM: u64 = 256;
+
 /// Raise the open-file limit to its hard maximum: every connection is a file.
 pub fn raise_fd_limit() {
     use rustix::process::{Resource, getrlimit, setrlimit};
@@ -43,6 +47,26 @@ pub fn raise_fd_limit() {
             tracing::warn!(error = %e, "cannot raise the open-file limit");
         }
     }
+}
+
+/// The connection cap that fits under the open-file limit: past that,
+/// `accept` fails with EMFILE and connections hang unanswered, where the
+/// cap answers `503 busy`.
+pub fn connections_that_fit(max_connections: usize) -> usize {
+    let files = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+    let room = files.map_or(u64::MAX, |n| n.saturating_sub(FD_HEADROOM));
+    let fits = usize::try_from(room).unwrap_or(usize::MAX).max(1);
+    if fits < max_connections {
+        tracing::warn!(
+            open_files = files,
+            max_connections,
+            serving = fits,
+            "the open-file limit leaves room for fewer connections than --max-connections: \
+             past it they get 503 busy (raise it with ulimit -n or LimitNOFILE=)"
+        );
+        return fits;
+    }
+    max_connections
 }
 
 async fn refuse<S: AsyncWrite + Unpin>(mut stream: S) {

@@ -348,15 +348,44 @@ async fn oversized_heads_are_431() {
 
 stores!(past_the_connection_cap_the_answer_is_503_busy_not_a_hang);
 async fn past_the_connection_cap_the_answer_is_503_busy_not_a_hang() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     holdfast::server::raise_fd_limit();
     let s = Server::start_with(&["--max-connections", "1024"]).await;
     let addr = s.base.trim_start_matches("http://").to_owned();
     // 1024 idle connections, the least the flag accepts, take every place.
     let held = connect_many(&addr, 1024).await;
-    let mut one_more = tokio::net::TcpStream::connect(&addr)
-        .await
-        .expect("connect");
+    let answer = one_more_answer(&addr).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer.contains("\"code\":\"busy\"")
+            && answer.to_ascii_lowercase().contains("retry-after: 1"),
+        "{answer}"
+    );
+    drop(held);
+}
+
+/// Under an open-file limit too low for `--max-connections`, the cap is
+/// lowered to fit (and a warning says so): the connection past it is
+/// answered `503 busy`, not left hanging while `accept` fails with EMFILE.
+#[tokio::test]
+async fn an_open_file_limit_under_the_cap_lowers_it() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    // 400 files, 256 kept for the store, pidfds and logs: 144 connections.
+    let s = Server::start_under(&["prlimit", "--nofile=400:400", "setsid"], tmp.path(), &[]).await;
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    let held = connect_many(&addr, 144).await;
+    let answer = one_more_answer(&addr).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    drop(held);
+    assert!(
+        s.logged("the open-file limit leaves room for fewer connections"),
+        "no warning"
+    );
+}
+
+/// What one more connection to `addr` is answered to a `GET /healthz`.
+async fn one_more_answer(addr: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut one_more = tokio::net::TcpStream::connect(addr).await.expect("connect");
     one_more
         .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .await
@@ -369,13 +398,7 @@ async fn past_the_connection_cap_the_answer_is_503_busy_not_a_hang() {
     .await
     .expect("answered at once, not left hanging")
     .expect("read");
-    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
-    assert!(
-        answer.contains("\"code\":\"busy\"")
-            && answer.to_ascii_lowercase().contains("retry-after: 1"),
-        "{answer}"
-    );
-    drop(held);
+    answer
 }
 
 /// `n` TCP connections to `addr`, all open at once, none of them sending.

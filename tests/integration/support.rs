@@ -145,6 +145,12 @@ impl Server {
         self._tmp.take()
     }
 
+    /// Whether a line of the server's log so far (its last lines) says `text`.
+    pub fn logged(&self, text: &str) -> bool {
+        let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        log.iter().any(|line| line.contains(text))
+    }
+
     /// Its data directory.
     pub fn dir(&self) -> &Path {
         &self.dir
