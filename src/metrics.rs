@@ -42,6 +42,7 @@ pub struct Metrics {
     registry: Registry,
     current_leases: Gauge,
     current_processes: Gauge,
+    store_up: Gauge,
     lease_waiters: Gauge,
     remote_waiters: Gauge,
     acquisitions: Counter,
@@ -68,6 +69,7 @@ impl Metrics {
         let m = Self {
             current_leases: Gauge::default(),
             current_processes: Gauge::default(),
+            store_up: Gauge::default(),
             lease_waiters: Gauge::default(),
             remote_waiters: Gauge::default(),
             acquisitions: Counter::default(),
@@ -83,6 +85,11 @@ impl Metrics {
             "leases_current",
             "Current (reserved or active) leases",
             m.current_leases.clone(),
+        );
+        registry.register(
+            "store_up",
+            "1 when this scrape read the current counts from the store; 0 when it could not (they keep their last values)",
+            m.store_up.clone(),
         );
         registry.register(
             "lease_waiters",
@@ -205,14 +212,19 @@ impl Metrics {
             .inc();
     }
 
-    /// The text exposition, with the current counts as counted just now.
-    pub fn render(&self, current_leases: i64, current_processes: i64, waiters: Waiting) -> String {
-        self.current_leases.set(current_leases);
+    /// The text exposition, with the current leases and processes as
+    /// counted just now; None when the store could not count them (a
+    /// scrape during an outage still answers, `store_up` 0).
+    pub fn render(&self, current: Option<(i64, i64)>, waiters: Waiting) -> String {
+        self.store_up.set(i64::from(current.is_some()));
+        if let Some((leases, processes)) = current {
+            self.current_leases.set(leases);
+            self.current_processes.set(processes);
+        }
         self.lease_waiters
             .set(i64::try_from(waiters.here).unwrap_or(i64::MAX));
         self.remote_waiters
             .set(i64::try_from(waiters.elsewhere).unwrap_or(i64::MAX));
-        self.current_processes.set(current_processes);
         let mut out = String::new();
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);

@@ -63,18 +63,23 @@ async fn get_readiness(State(state): State<AppState>) -> Result<Json<Readiness>,
     get, path = "/metrics", tag = "service",
     responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
 )]
-async fn get_metrics(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
-    let leases = state.leases.count_current().await?;
-    let processes = state.processes.count_current().await?;
-    Ok((
+async fn get_metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let counted = async {
+        let leases = state.leases.count_current().await?;
+        let processes = state.processes.count_current().await?;
+        Ok::<_, crate::store::StoreError>((leases, processes))
+    };
+    let current = counted
+        .await
+        .inspect_err(|e| tracing::warn!(error = %e, "metrics: cannot count the current records"))
+        .ok();
+    (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state
-            .metrics
-            .render(leases, processes, state.hub.waiters.waiting()),
-    ))
+        state.metrics.render(current, state.hub.waiters.waiting()),
+    )
 }
 
 /// This document.

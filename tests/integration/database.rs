@@ -58,6 +58,13 @@ async fn a_schema_newer_than_this_build_is_refused() {
     .await
 }
 
+/// `GET /metrics`, which must answer 200.
+async fn scrape(s: &Server) -> String {
+    let res = s.client.get(s.url("/metrics")).send().await.expect("send");
+    assert_eq!(res.status(), StatusCode::OK);
+    res.text().await.expect("text")
+}
+
 #[tokio::test]
 async fn a_database_outage_answers_503_and_the_server_recovers_by_itself() {
     run(Store::Postgres, async {
@@ -67,6 +74,11 @@ async fn a_database_outage_answers_503_and_the_server_recovers_by_itself() {
         assert_eq!(ready.status, StatusCode::OK);
         assert_eq!(ready.body, json!({"status": "ok", "store": "postgres"}));
         let held = s.acquire_ok("outage/a", "h").await;
+        let before = scrape(&s).await;
+        assert!(
+            before.contains("holdfast_store_up 1") && before.contains("holdfast_leases_current 1"),
+            "{before}"
+        );
 
         let url = database_for(dir.path()).await;
         let name = url.rsplit('/').next().expect("name").to_owned();
@@ -86,6 +98,12 @@ async fn a_database_outage_answers_503_and_the_server_recovers_by_itself() {
             .await;
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
         assert!(["unavailable", "busy"].contains(&r.code()), "{}", r.body);
+        // Monitoring is served through the outage, and says it.
+        let during = scrape(&s).await;
+        assert!(
+            during.contains("holdfast_store_up 0") && during.contains("holdfast_leases_current 1"),
+            "{during}"
+        );
 
         sqlx::query(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
             .execute(&mut admin)
