@@ -308,6 +308,7 @@ impl App {
             () = shutdown => {}
             Some(res) = servers.join_next() => first_error = res.ok().and_then(Result::err),
         }
+        self.state.hub.waiters.close();
         let _ = stop_tx.send(true);
         while let Some(res) = servers.join_next().await {
             if let Ok(Err(e)) = res {

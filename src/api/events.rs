@@ -150,9 +150,15 @@ async fn list_events(
             .map_err(|_| ApiError::Busy)?;
         let wait = std::time::Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
         // The watch guard is not Send: keep only whether it fired.
-        let woken = tokio::time::timeout(wait, newest.wait_for(|seq| *seq > after))
-            .await
-            .is_ok_and(|r| r.is_ok());
+        // At shutdown it answers what there is (nothing) at once.
+        let woken = tokio::time::timeout(wait, async {
+            tokio::select! {
+                r = newest.wait_for(|seq| *seq > after) => r.is_ok(),
+                () = state.hub.waiters.closing() => false,
+            }
+        })
+        .await
+        .unwrap_or(false);
         if woken {
             rows = state.events.read(after, limit).await?;
         }
@@ -291,7 +297,12 @@ fn stream(
                 Err(ReadError::Pruned { .. }) => continue,
                 Ok(_) => {
                     let after = c.after;
-                    if c.newest.wait_for(|seq| *seq > after).await.is_err() {
+                    // At shutdown the stream ends, rather than being cut.
+                    let more = tokio::select! {
+                        r = c.newest.wait_for(|seq| *seq > after) => r.is_ok(),
+                        () = c.state.hub.waiters.closing() => false,
+                    };
+                    if !more {
                         return None;
                     }
                 }

@@ -102,6 +102,10 @@ impl From<LeaseError> for Error {
     }
 }
 
+/// Why a waiting acquire is answered `503` at shutdown: a retry, to this
+/// server once it is back or to another of the fleet, waits on.
+const SHUTTING_DOWN: &str = "the server is shutting down; retry";
+
 /// Runs lease mutations: each one job in one write transaction.
 #[derive(Clone)]
 pub struct Leases {
@@ -198,6 +202,9 @@ impl Leases {
         // the resource first, with nothing happening on it.
         let mut deferring: Option<Instant> = None;
         loop {
+            if ticket.is_some() && self.waiters.is_closing() {
+                return Err(StoreError::Unavailable(SHUTTING_DOWN.into()).into());
+            }
             let ahead = self.remote_ahead(&cmd, ticket.as_ref(), deadline);
             if !ahead.is_empty() {
                 let since = *deferring.get_or_insert_with(Instant::now);
@@ -319,6 +326,7 @@ impl Leases {
             acquired = parked.handed() => return acquired,
             () = t.woken() => {}
             () = tokio::time::sleep_until(until) => {}
+            () = self.waiters.closing() => {}
         }
         parked.withdraw().await
     }

@@ -47,6 +47,10 @@ pub struct Waiters {
     /// announces nothing (each announcement costs a statement, and wakes
     /// the listening connection of every host).
     peer_heard: Mutex<Option<Instant>>,
+    /// Set when the server begins to shut down: whoever waits (acquirers,
+    /// long polls, event streams) answers at once instead of being cut off
+    /// unanswered when the connections are closed.
+    closing: watch::Sender<bool>,
 }
 
 /// The longest wait a request may ask for (`wait_ms`).
@@ -56,6 +60,21 @@ pub const MAX_WAIT_MS: u64 = 60_000;
 const PEER_QUIET: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl Waiters {
+    /// The server shuts down: every wait ends now.
+    pub fn close(&self) {
+        self.closing.send_replace(true);
+    }
+
+    pub fn is_closing(&self) -> bool {
+        *self.closing.borrow()
+    }
+
+    /// Resolves once the server shuts down.
+    pub async fn closing(&self) {
+        let mut rx = self.closing.subscribe();
+        let _ = rx.wait_for(|closing| *closing).await;
+    }
+
     pub fn ends_seen(&self) -> u64 {
         self.ends.load(Ordering::SeqCst)
     }

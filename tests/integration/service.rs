@@ -161,3 +161,55 @@ async fn a_second_server_on_what_another_uses_refuses_to_start() {
     );
     assert_eq!(s.get("/healthz").await.status, StatusCode::OK);
 }
+
+stores!(at_shutdown_waiting_requests_are_answered_not_cut);
+/// At shutdown whatever waits is answered at once (an acquire `503` to
+/// retry, a long poll its empty page, a stream its end), not cut off
+/// unanswered when the connections are closed after the drain.
+async fn at_shutdown_waiting_requests_are_answered_not_cut() {
+    let mut s = Server::start().await;
+    let held = s.acquire_ok("shutdown/a", "h").await;
+    let after = s.all_events().await.len();
+    let waiter = s.acquire_in_background(
+        None,
+        &json!({"resource": "shutdown/a", "holder": "w", "ttl_ms": 60000, "wait_ms": 60000}),
+    );
+    // Sent first: parked by the time the acquire below has queued.
+    let poll = tokio::spawn(
+        s.client
+            .get(s.url(&format!("/v1/events?after={after}&wait_ms=60000")))
+            .send(),
+    );
+    let stream = s
+        .client
+        .get(s.url(&format!("/v1/events/stream?after={after}")))
+        .send()
+        .await
+        .expect("stream");
+    assert_eq!(stream.status(), StatusCode::OK);
+    let stream = tokio::spawn(stream.text());
+    s.queued(1).await;
+    let started = std::time::Instant::now();
+    let status = s.terminate().await;
+    let took = started.elapsed();
+    assert!(status.success(), "{status}");
+    let (code, body) = waiter.await.expect("join");
+    assert_eq!(
+        (code, body["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+        "{body}"
+    );
+    let poll = poll.await.expect("join").expect("answered");
+    assert_eq!(poll.status(), StatusCode::OK);
+    assert_eq!(
+        poll.json::<serde_json::Value>().await.expect("json"),
+        json!({"items": []})
+    );
+    stream
+        .await
+        .expect("join")
+        .expect("the stream ended, not cut");
+    // Not after the 5 s drain that cuts what is still open.
+    assert!(took < std::time::Duration::from_secs(4), "{took:?}");
+    drop(held);
+}

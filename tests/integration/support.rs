@@ -145,6 +145,17 @@ impl Server {
         self._tmp.take()
     }
 
+    /// SIGTERM the server, as a service manager stops it, and wait for it
+    /// to exit: its status.
+    pub async fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().expect("running");
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .expect("kill");
+        self.child.wait().await.expect("reap")
+    }
+
     /// Whether a line of the server's log so far (its last lines) says `text`.
     pub fn logged(&self, text: &str) -> bool {
         let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
