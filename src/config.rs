@@ -110,7 +110,9 @@ fn parse_listen(s: &str) -> Result<Listen, String> {
     }
     s.parse()
         .map(Listen::Tcp)
-        .map_err(|e| format!("{s:?} is not ADDR:PORT or none: {e}"))
+        .map_err(|e| {
+            format!("{s:?} is not ADDR:PORT or none: {e} (an IP address and port, such as 127.0.0.1:7427 or [::1]:7427)")
+        })
 }
 
 /// Not empty: an unset variable in a compose file (`HOLDFAST_HOST_ID: ${X}`)

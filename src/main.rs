@@ -45,7 +45,7 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     if let Some(serve) = matches.subcommand_matches("serve") {
-        refuse_client_flags(&matches, serve);
+        refuse_misplaced_flags(&matches, serve);
     }
     match cli.command {
         Command::Openapi => {
@@ -62,8 +62,9 @@ fn main() -> ExitCode {
 /// The client's connection flags are global, so clap also takes them after
 /// `serve`, where they would do nothing: `serve --token-file F` would start
 /// a server with no token at all. A usage error instead (exit 2), naming
-/// the server's own flag where there is one.
-fn refuse_client_flags(top: &ArgMatches, serve: &ArgMatches) {
+/// the server's own flag where there is one; so are the hidden flags that
+/// would take a token itself.
+fn refuse_misplaced_flags(top: &ArgMatches, serve: &ArgMatches) {
     let given = |id: &str| {
         [top, serve]
             .iter()
@@ -93,14 +94,38 @@ fn refuse_client_flags(top: &ArgMatches, serve: &ArgMatches) {
             )
             .exit();
     }
+    // The tokens themselves are read from their variables; on the command
+    // line every local user would read them in `ps`.
+    for (id, flag, var) in [
+        ("auth_token", "--auth-token", "HOLDFAST_AUTH_TOKEN"),
+        ("admin_token", "--admin-token", "HOLDFAST_ADMIN_TOKEN"),
+    ] {
+        if serve.value_source(id) == Some(ValueSource::CommandLine) {
+            Cli::command()
+                .error(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    format!(
+                        "{flag} would show the token to every local user (ps): give it with {flag}-file or {var}"
+                    ),
+                )
+                .exit();
+        }
+    }
 }
 
 fn serve(config: Config) -> ExitCode {
+    let filter = match tracing_subscriber::EnvFilter::try_from_env("HOLDFAST_LOG") {
+        Ok(filter) => filter,
+        Err(e) => {
+            // Unset is the default; a value that does not parse is said.
+            if std::env::var_os("HOLDFAST_LOG").is_some_and(|v| !v.is_empty()) {
+                eprintln!("holdfast: HOLDFAST_LOG does not parse ({e}); logging at info");
+            }
+            tracing_subscriber::EnvFilter::new("info")
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("HOLDFAST_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();

@@ -476,6 +476,15 @@ async fn cli_usage_errors_exit_2() {
         (&["serve", "--socket", "/s"], "--unix-socket"),
         (&["serve", "--url", "http://127.0.0.1:1"], "--listen"),
         (&["--json", "serve"], "client flag"),
+        // Nor does it take a token on its command line, where ps shows it.
+        (
+            &["serve", "--auth-token", "s3cret"],
+            "--auth-token-file or HOLDFAST_AUTH_TOKEN",
+        ),
+        (
+            &["serve", "--admin-token", "s3cret"],
+            "--admin-token-file or HOLDFAST_ADMIN_TOKEN",
+        ),
     ] {
         let mut all = args.to_vec();
         all.extend(["--listen", "127.0.0.1:0", "--data-dir", "/nonexistent/hf"]);
