@@ -254,8 +254,6 @@ pub trait Backend: Send + Sync + 'static {
     fn last_event_seq(&self) -> BoxFuture<'_, Result<i64>>;
     /// The highest seq retention has removed (0 when none).
     fn pruned_through(&self) -> BoxFuture<'_, Result<i64>>;
-    /// A small write that proves the store is open, migrated and writable.
-    fn check_writable(&self) -> BoxFuture<'_, Result<()>>;
     fn close(&self) -> BoxFuture<'_, ()>;
     /// Which store this is, as `/readyz` names it: `sqlite` or `postgres`.
     fn kind(&self) -> &'static str;
@@ -403,9 +401,17 @@ impl Store {
         self.backend.as_ref()
     }
 
-    /// The store's kind (`sqlite`, `postgres`) once it proves writable.
+    /// The store's kind (`sqlite`, `postgres`) once a small write proves it
+    /// open, migrated and writable (not full, not a read-only standby, the
+    /// fleet's write lock obtainable). Through `write`, so that a probe
+    /// that meets a connection cut since the last write runs again on a
+    /// new one, as a request's write does, rather than failing readiness.
     pub async fn ready(&self) -> Result<&'static str> {
-        self.backend.check_writable().await?;
+        let now = crate::time::now_ms().to_string();
+        self.write(false, move |tx| {
+            Box::pin(async move { tx.set_meta("probe", &now).await })
+        })
+        .await?;
         Ok(self.backend.kind())
     }
 }

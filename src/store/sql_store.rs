@@ -200,21 +200,6 @@ impl<D: Db> Backend for SqlStore<D> {
         read!(self, |c| rows::pruned_through(c))
     }
 
-    /// A small write: proves the store is open, migrated and writable (not
-    /// full, not a read-only standby, the fleet's write lock obtainable).
-    fn check_writable(&self) -> BoxFuture<'_, Result<()>> {
-        Box::pin(async move {
-            let now = crate::time::now_ms().to_string();
-            let job: JobFn = Box::new(move |tx| {
-                Box::pin(async move {
-                    tx.set_meta("probe", &now).await?;
-                    Ok(Box::new(()) as JobOutput)
-                })
-            });
-            self.writes.write(false, job).await.map(|_| ())
-        })
-    }
-
     fn kind(&self) -> &'static str {
         D::KIND
     }

@@ -145,6 +145,10 @@ async fn connections_cut_between_requests_are_replaced_before_a_request_meets_th
             .await
             .expect("terminate");
 
+        // Readiness first: its probe is the first write to meet the
+        // writer's cut connection, and runs again on a new one.
+        let ready = s.get("/readyz").await;
+        assert_eq!(ready.status, StatusCode::OK, "readiness: {}", ready.body);
         assert_eq!(s.lease(id).await["state"], "active", "a read");
         let renewed = s
             .lease_op(id, "renew", json!({"token": held["token"]}))

@@ -349,7 +349,7 @@ async fn kind_and_durability_are_as_documented() {
     };
     assert_eq!(s.backend().kind(), kind);
     assert_eq!(s.backend().relaxed_renewals(), relaxed);
-    s.backend().check_writable().await.expect("writable");
+    assert_eq!(s.store.ready().await.expect("writable"), kind);
     // A non-durable job that asks to become durable commits like any other.
     s.store
         .write(false, |tx| {
