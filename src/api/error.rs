@@ -141,6 +141,7 @@ impl From<processes::Error> for ApiError {
                 pid: i64::from(pid),
             },
             processes::Error::Unverifiable(d) => Self::OwnerUnverifiable(d),
+            processes::Error::Mismatch(d) => Self::IdentityMismatch(d),
         }
     }
 }

@@ -109,6 +109,13 @@ pub struct ConfirmRequest {
     /// The process leads its own process group, which stop then signals.
     #[serde(default)]
     pub process_group: bool,
+    /// The start time the client saw (`/proc/<pid>/stat` field 22, as
+    /// identities show it): a process at `pid` now with another one is
+    /// not the client's (its child died and the pid was given again) and
+    /// the confirm is `409 identity_mismatch`, nothing recorded.
+    #[serde(default)]
+    #[schema(example = "8879")]
+    pub start_time: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
@@ -346,7 +353,7 @@ async fn list_processes(
         (status = 200, description = "Confirmed: `running`, with the identity read now", body = ProcessView),
         (status = 403, description = "pid 1, the server itself, its group or session", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "`fenced`", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`, or `identity_mismatch` (the pid is another process than the one whose `start_time` was sent)", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "`process_not_found` or `validation`", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -366,7 +373,14 @@ async fn confirm_process(
     Ok(Json(
         state
             .processes
-            .confirm(id, token, pid, req.process_group, caller)
+            .confirm(
+                id,
+                token,
+                pid,
+                req.start_time.as_deref(),
+                req.process_group,
+                caller,
+            )
             .await?,
     ))
 }

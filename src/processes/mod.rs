@@ -42,6 +42,9 @@ pub enum Error {
     ProcessNotFound(i32),
     #[error("{0}")]
     Unverifiable(String),
+    /// The pid is another process than the one the client saw.
+    #[error("{0}")]
+    Mismatch(String),
 }
 
 impl From<ProcError> for Error {
@@ -531,10 +534,19 @@ impl Processes {
         id: String,
         token: i64,
         pid: i32,
+        seen: Option<&str>,
         process_group: bool,
         caller: Caller,
     ) -> Result<ProcessView, Error> {
         let mut ident = self.identity_for(pid, caller)?;
+        if let Some(seen) = seen
+            && seen != ident.start_time
+        {
+            return Err(Error::Mismatch(format!(
+                "pid {pid} now has start time {}, not {seen}: it is another process",
+                ident.start_time
+            )));
+        }
         if process_group && ident.pgid != Some(pid) {
             return Err(Error::Invalid {
                 field: "process_group",

@@ -333,7 +333,7 @@ async fn confirm_of_an_absent_or_unreadable_pid_records_nothing() {
     let gone = fx.host.spawn();
     fx.host.kill(gone.pid);
     let got = procs
-        .confirm(rec.id.clone(), 1, gone.pid, false, ADMIN)
+        .confirm(rec.id.clone(), 1, gone.pid, None, false, ADMIN)
         .await;
     assert!(
         matches!(got, Err(super::Error::ProcessNotFound(p)) if p == gone.pid),
@@ -342,7 +342,7 @@ async fn confirm_of_an_absent_or_unreadable_pid_records_nothing() {
     let denied = fx.host.spawn();
     fx.host.deny(denied.pid);
     let got = procs
-        .confirm(rec.id.clone(), 1, denied.pid, false, ADMIN)
+        .confirm(rec.id.clone(), 1, denied.pid, None, false, ADMIN)
         .await;
     assert!(matches!(got, Err(super::Error::Unverifiable(_))), "{got:?}");
 

@@ -141,12 +141,7 @@ async fn owner_must_exist_and_match_the_start_time_the_client_saw() {
     assert_eq!(missing.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(missing.code(), "process_not_found");
 
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", owner.pid())).expect("stat");
-    let start = stat
-        .rsplit(')')
-        .next()
-        .and_then(|r| r.split_whitespace().nth(19))
-        .expect("start time");
+    let start = crate::support::start_time(owner.pid());
     let ok = s.acquire(json!({"resource": "o", "holder": "a", "owner": {"pid": owner.pid(), "start_time": start}})).await;
     assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
     assert_eq!(ok.body["owner"]["start_time"], start);

@@ -291,11 +291,33 @@ async fn register_confirm_and_stop_a_process_the_client_started() {
         (gone.status, gone.code()),
         (StatusCode::UNPROCESSABLE_ENTITY, "process_not_found")
     );
+    // The start time the client saw tells its child from a process that
+    // got the pid after it died.
+    let other = s
+        .process_op(
+            &pid_,
+            "confirm",
+            json!({"token": 1, "pid": child.pid(), "start_time": "1"}),
+        )
+        .await;
+    assert_eq!(
+        (other.status, other.code()),
+        (StatusCode::CONFLICT, "identity_mismatch"),
+        "{}",
+        other.body
+    );
+    assert_eq!(s.process(&pid_).await["state"], "starting");
+    let started = crate::support::start_time(child.pid());
     let ok = s
-        .process_op(&pid_, "confirm", json!({"token": 1, "pid": child.pid()}))
+        .process_op(
+            &pid_,
+            "confirm",
+            json!({"token": 1, "pid": child.pid(), "start_time": started}),
+        )
         .await;
     assert_eq!(ok.status, StatusCode::OK, "{}", ok.body);
     assert_eq!(ok.body["state"], "running");
+    assert_eq!(ok.body["identity"]["start_time"], started);
     assert_eq!(ok.body["pid"], child.pid());
     assert_eq!(
         ok.body["pgid"],

@@ -483,6 +483,16 @@ impl Server {
     }
 }
 
+/// `pid`'s start time (`/proc/<pid>/stat` field 22), as identities show it.
+pub fn start_time(pid: i64) -> String {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    stat.rsplit(')')
+        .next()
+        .and_then(|rest| rest.split_whitespace().nth(19))
+        .expect("start time")
+        .to_owned()
+}
+
 /// Whether `pid` is a running (not zombie) process right now.
 pub fn alive(pid: i64) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

@@ -143,6 +143,9 @@ async fn under_lease(a: &RunArgs, client: &Client, held: &LeaseView) -> Result<E
                 token: registered.token,
                 pid: i64::from(gated.pid()),
                 process_group: true,
+                // Its own child, held at the gate unreaped: the pid cannot
+                // have been given to another.
+                start_time: None,
             },
         )
         .await;
