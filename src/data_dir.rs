@@ -87,6 +87,14 @@ pub fn hold(lock: PathBuf, g: &Guarded) -> Result<Held, LockError> {
                 flag: g.flag,
             });
         }
+        // A file system without locks (some FUSE ones): serve, unguarded,
+        // rather than not at all.
+        Err(
+            e
+            @ (rustix::io::Errno::NOLCK | rustix::io::Errno::NOSYS | rustix::io::Errno::OPNOTSUPP),
+        ) => {
+            tracing::warn!(lock = %lock.display(), error = %e, "cannot lock: a second server on it would not be refused");
+        }
         Err(e) => return Err(io(e.into())),
     }
     file.set_len(0)
