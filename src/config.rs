@@ -20,11 +20,13 @@ pub struct Config {
     #[arg(long, env = "HOLDFAST_UNIX_SOCKET_MODE", default_value = "0660", value_parser = parse_mode)]
     pub unix_socket_mode: u32,
 
-    /// File holding the bearer token every /v1 call and /metrics must carry.
+    /// File holding the bearer token every /v1 call and /metrics must carry
+    /// (or the token itself in HOLDFAST_AUTH_TOKEN; the file wins).
     #[arg(long, env = "HOLDFAST_AUTH_TOKEN_FILE")]
     pub auth_token_file: Option<PathBuf>,
 
-    /// File holding the admin token (may `break` leases and act on processes of any uid).
+    /// File holding the admin token (may `break` leases and act on processes of any uid;
+    /// or the token itself in HOLDFAST_ADMIN_TOKEN; the file wins).
     #[arg(long, env = "HOLDFAST_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
 
@@ -41,7 +43,8 @@ pub struct Config {
     )]
     pub admin_token: Option<String>,
 
-    /// Host names accepted in `Host` and `Origin` besides localhost, 127.0.0.1 and [::1].
+    /// On a loopback listener, host names accepted in `Host` and `Origin` besides
+    /// localhost, 127.0.0.1 and [::1]; repeatable, or comma-separated.
     #[arg(
         long = "allowed-host",
         env = "HOLDFAST_ALLOWED_HOSTS",
@@ -75,19 +78,19 @@ pub struct Config {
     #[arg(long, env = "HOLDFAST_DATABASE_URL")]
     pub database: Option<String>,
 
-    /// PostgreSQL only: connections in the server's pool (it opens three
-    /// more: the writer's, one to LISTEN, one for renewals).
+    /// PostgreSQL only: connections in the server's pool, 2 to 1000 (it opens
+    /// three more: the writer's, one to LISTEN, one for renewals).
     #[arg(long, env = "HOLDFAST_DATABASE_POOL_SIZE", default_value_t = 10,
           value_parser = clap::value_parser!(u32).range(2..=1000))]
     pub database_pool_size: u32,
 
     /// PostgreSQL only: how long to wait to connect, for a free connection,
-    /// or for the fleet-wide write lock before answering `busy`.
+    /// or for the fleet-wide write lock before answering `busy` (100 to 600000).
     #[arg(long, env = "HOLDFAST_DATABASE_TIMEOUT_MS", default_value_t = 5000,
           value_parser = clap::value_parser!(u64).range(100..=600_000))]
     pub database_timeout_ms: u64,
 
-    /// How often the reconciler ends expired and dead-owner leases.
+    /// How often the reconciler ends expired and dead-owner leases (10 to 3600000).
     #[arg(long, env = "HOLDFAST_RECONCILE_INTERVAL_MS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
     pub reconcile_interval_ms: u64,

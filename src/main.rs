@@ -26,6 +26,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the service.
+    #[command(
+        after_help = "Logging: HOLDFAST_LOG (a tracing filter: error, warn, info, debug, trace; default info) to stderr."
+    )]
     Serve(Box<Config>),
     /// Print the OpenAPI document.
     Openapi,
