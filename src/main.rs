@@ -56,7 +56,18 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Healthcheck => ExitCode::from(cli::healthcheck(&cli.conn)),
-        Command::Serve(config) => serve(*config),
+        Command::Serve(config) => {
+            if config.listen == holdfast::config::Listen::None && config.unix_socket.is_none() {
+                // Wrong usage, as clap's own refusals are (exit 2).
+                Cli::command()
+                    .error(
+                        clap::error::ErrorKind::MissingRequiredArgument,
+                        "--listen none needs --unix-socket PATH: the server would listen nowhere",
+                    )
+                    .exit();
+            }
+            serve(*config)
+        }
         Command::Client(cmd) => ExitCode::from(cli::main(&cli.conn, cmd)),
         Command::Exec(args) => cli::run::gate::exec(args),
     }

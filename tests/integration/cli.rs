@@ -492,6 +492,20 @@ async fn cli_usage_errors_exit_2() {
         assert_eq!(o.code, 2, "{all:?}: {}", o.stderr);
         assert!(o.stderr.contains(hint), "{all:?}: {}", o.stderr);
     }
+    let o = out(holdfast(&[
+        "serve",
+        "--listen",
+        "none",
+        "--data-dir",
+        "/nonexistent/hf",
+    ]))
+    .await;
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("--listen none needs --unix-socket"),
+        "{}",
+        o.stderr
+    );
 }
 
 #[tokio::test]
