@@ -19,6 +19,20 @@ pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
         .create(dir)
 }
 
+/// `path` with its links resolved, as far as it exists: the same file
+/// however it is named.
+pub fn resolved(path: &Path) -> PathBuf {
+    if let Ok(real) = std::fs::canonicalize(path) {
+        return real;
+    }
+    match (path.parent(), path.file_name()) {
+        (Some(dir), Some(name)) => std::fs::canonicalize(dir)
+            .map(|d| d.join(name))
+            .unwrap_or_else(|_| path.to_path_buf()),
+        _ => path.to_path_buf(),
+    }
+}
+
 /// Exclusive use of a data directory (its logs, which each server sweeps
 /// of files whose record its own store lacks) or of a SQLite file (whose
 /// event seqs and tokens a second writer would hand out again): an

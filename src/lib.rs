@@ -143,9 +143,12 @@ impl App {
                 source,
             })
         };
-        create(&data_dir)?;
+        // In `logs/`, which is what it guards, and which is all a server
+        // on PostgreSQL writes of its data dir.
+        let logs = data_dir.join("logs");
+        create(&logs)?;
         let mut held = vec![data_dir::hold(
-            data_dir.join("holdfast.lock"),
+            logs.join("holdfast.lock"),
             &data_dir::Guarded {
                 what: "the data directory",
                 path: &data_dir,
@@ -158,8 +161,9 @@ impl App {
                     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
                         create(dir)?;
                     }
-                    // Its own lock too: another data dir may name the same file.
-                    let mut lock = path.clone().into_os_string();
+                    // Its own lock too: another data dir may name the same
+                    // file, through a link as well.
+                    let mut lock = data_dir::resolved(&path).into_os_string();
                     lock.push(".lock");
                     held.push(data_dir::hold(
                         lock.into(),

@@ -160,7 +160,10 @@ fn serve(config: Config) -> ExitCode {
     };
     holdfast::server::raise_fd_limit();
     let mut config = config;
-    config.max_connections = holdfast::server::connections_that_fit(config.max_connections);
+    // The pool, and PostgreSQL's three more (SQLite's few fit the headroom).
+    let store_files = u64::from(config.database_pool_size) + 3;
+    config.max_connections =
+        holdfast::server::connections_that_fit(config.max_connections, store_files);
     let result = runtime.block_on(async move {
         let app = App::build(config).await?;
         let listeners = app.bind().await?;

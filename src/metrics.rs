@@ -43,6 +43,7 @@ pub struct Metrics {
     current_leases: Gauge,
     current_processes: Gauge,
     store_up: Gauge,
+    waiting_requests: Gauge,
     lease_waiters: Gauge,
     remote_waiters: Gauge,
     acquisitions: Counter,
@@ -70,6 +71,7 @@ impl Metrics {
             current_leases: Gauge::default(),
             current_processes: Gauge::default(),
             store_up: Gauge::default(),
+            waiting_requests: Gauge::default(),
             lease_waiters: Gauge::default(),
             remote_waiters: Gauge::default(),
             acquisitions: Counter::default(),
@@ -90,6 +92,11 @@ impl Metrics {
             "store_up",
             "1 when this scrape read the current counts from the store; 0 when it could not (they keep their last values)",
             m.store_up.clone(),
+        );
+        registry.register(
+            "waiting_requests",
+            "Requests waiting now: acquires with wait_ms, long polls, SSE streams (past 2048, 503 busy)",
+            m.waiting_requests.clone(),
         );
         registry.register(
             "lease_waiters",
@@ -215,8 +222,10 @@ impl Metrics {
     /// The text exposition, with the current leases and processes as
     /// counted just now; None when the store could not count them (a
     /// scrape during an outage still answers, `store_up` 0).
-    pub fn render(&self, current: Option<(i64, i64)>, waiters: Waiting) -> String {
+    pub fn render(&self, current: Option<(i64, i64)>, waiters: Waiting, waiting: usize) -> String {
         self.store_up.set(i64::from(current.is_some()));
+        self.waiting_requests
+            .set(i64::try_from(waiting).unwrap_or(i64::MAX));
         if let Some((leases, processes)) = current {
             self.current_leases.set(leases);
             self.current_processes.set(processes);

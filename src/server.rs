@@ -33,7 +33,7 @@ const DRAIN: Duration = Duration::from_secs(5);
 const BUSY: &str = "{\"type\":\"about:blank\",\"title\":\"Busy\",\"status\":503,\"code\":\"busy\",\
 \"detail\":\"too many connections; retry after the given delay\"}";
 
-/// Files the server keeps open besides its connections: the store's,
+/// Files the server keeps open besides its connections and the store's:
 /// the pidfds of the processes it watches, the log files of spawns.
 const FD_HEADROOM: u64 = 256;
 
@@ -49,12 +49,14 @@ pub fn raise_fd_limit() {
     }
 }
 
-/// The connection cap that fits under the open-file limit: past that,
-/// `accept` fails with EMFILE and connections hang unanswered, where the
-/// cap answers `503 busy`.
-pub fn connections_that_fit(max_connections: usize) -> usize {
+/// The connection cap that fits under the open-file limit, beside the
+/// store's `store_files`: past that, `accept` fails with EMFILE and
+/// connections hang unanswered, where the cap answers `503 busy`.
+pub fn connections_that_fit(max_connections: usize, store_files: u64) -> usize {
     let files = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
-    let room = files.map_or(u64::MAX, |n| n.saturating_sub(FD_HEADROOM));
+    let room = files.map_or(u64::MAX, |n| {
+        n.saturating_sub(FD_HEADROOM.saturating_add(store_files))
+    });
     let fits = usize::try_from(room).unwrap_or(usize::MAX).max(1);
     if fits < max_connections {
         tracing::warn!(

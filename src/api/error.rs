@@ -98,6 +98,8 @@ pub enum ApiError {
     RequestInProgress,
     Busy,
     Unavailable(String),
+    /// A wait cut by the server's shutdown: retried, it goes on.
+    ShuttingDown,
     Internal(String),
 }
 
@@ -266,6 +268,7 @@ impl From<leases::Error> for ApiError {
         match e {
             leases::Error::Store(s) => s.into(),
             leases::Error::Lease(l) => Self::Lease(l),
+            leases::Error::ShuttingDown => Self::ShuttingDown,
         }
     }
 }
@@ -414,6 +417,16 @@ impl IntoResponse for ApiError {
                     UNAVAILABLE_DETAIL.into(),
                 )
             }
+            // `unavailable`, as when the store cannot be written: to the
+            // client it is the same, retry it (here once the server is
+            // back, or on another host of the fleet); but nothing failed.
+            Self::ShuttingDown => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Code::Unavailable,
+                "Shutting down",
+                "the server is shutting down; retry the request (with the same Idempotency-Key)"
+                    .into(),
+            ),
             Self::Internal(d) => {
                 tracing::error!(error = %d, "internal error");
                 (

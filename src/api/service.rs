@@ -78,7 +78,11 @@ async fn get_metrics(State(state): State<AppState>) -> impl IntoResponse {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        state.metrics.render(current, state.hub.waiters.waiting()),
+        state.metrics.render(
+            current,
+            state.hub.waiters.waiting(),
+            crate::waiters::MAX_WAITERS.saturating_sub(state.hub.waiting.available_permits()),
+        ),
     )
 }
 

@@ -41,8 +41,8 @@ pub trait Host: Send + Sync + 'static {
     /// The live processes that hold one of `files` open for writing: how a
     /// child is found again whose pid was never recorded (it writes to its
     /// log files, through the descriptors it was started with). A reader
-    /// (`tail -f`, a log shipper, any local user: the files are
-    /// world-readable) is none of the spawn's, and is not among them.
+    /// (`tail -f`, a log shipper, a user allowed to read the files) is none
+    /// of the spawn's, and is not among them.
     fn writers_of(&self, files: &[&std::path::Path]) -> Vec<i32>;
 
     /// Judge a recorded identity now.

@@ -94,6 +94,9 @@ pub enum Error {
     Store(#[from] StoreError),
     #[error("lease refused: {0:?}")]
     Lease(LeaseError),
+    /// A wait cut short by the server's shutdown.
+    #[error("the server is shutting down")]
+    ShuttingDown,
 }
 
 impl From<LeaseError> for Error {
@@ -101,10 +104,6 @@ impl From<LeaseError> for Error {
         Self::Lease(e)
     }
 }
-
-/// Why a waiting acquire is answered `503` at shutdown: a retry, to this
-/// server once it is back or to another of the fleet, waits on.
-const SHUTTING_DOWN: &str = "the server is shutting down; retry";
 
 /// Runs lease mutations: each one job in one write transaction.
 #[derive(Clone)]
@@ -203,7 +202,7 @@ impl Leases {
         let mut deferring: Option<Instant> = None;
         loop {
             if ticket.is_some() && self.waiters.is_closing() {
-                return Err(StoreError::Unavailable(SHUTTING_DOWN.into()).into());
+                return Err(Error::ShuttingDown);
             }
             let ahead = self.remote_ahead(&cmd, ticket.as_ref(), deadline);
             if !ahead.is_empty() {

@@ -174,7 +174,6 @@ async fn at_shutdown_waiting_requests_are_answered_not_cut() {
         None,
         &json!({"resource": "shutdown/a", "holder": "w", "ttl_ms": 60000, "wait_ms": 60000}),
     );
-    // Sent first: parked by the time the acquire below has queued.
     let poll = tokio::spawn(
         s.client
             .get(s.url(&format!("/v1/events?after={after}&wait_ms=60000")))
@@ -188,15 +187,20 @@ async fn at_shutdown_waiting_requests_are_answered_not_cut() {
         .expect("stream");
     assert_eq!(stream.status(), StatusCode::OK);
     let stream = tokio::spawn(stream.text());
-    s.queued(1).await;
+    // All three wait: the acquire, the long poll, the stream.
+    s.metric_reads("holdfast_waiting_requests 3").await;
     let started = std::time::Instant::now();
     let status = s.terminate().await;
     let took = started.elapsed();
     assert!(status.success(), "{status}");
     let (code, body) = waiter.await.expect("join");
     assert_eq!(
-        (code, body["code"].as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, Some("unavailable")),
+        (code, body["code"].as_str(), body["title"].as_str()),
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some("unavailable"),
+            Some("Shutting down")
+        ),
         "{body}"
     );
     let poll = poll.await.expect("join").expect("answered");

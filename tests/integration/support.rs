@@ -282,9 +282,14 @@ impl Server {
 
     /// Until the server counts `n` waiting acquirers.
     pub async fn queued(&self, n: usize) {
-        let line = format!("holdfast_lease_waiters {n}");
+        self.metric_reads(&format!("holdfast_lease_waiters {n}"))
+            .await;
+    }
+
+    /// Wait until `/metrics` has the line `line`.
+    pub async fn metric_reads(&self, line: &str) {
         self.eventually("/metrics", Duration::from_secs(10), |m| {
-            m.as_str().is_some_and(|t| t.contains(&line))
+            m.as_str().is_some_and(|t| t.lines().any(|l| l == line))
         })
         .await;
     }
