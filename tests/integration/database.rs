@@ -166,3 +166,43 @@ async fn connections_cut_between_requests_are_replaced_before_a_request_meets_th
     })
     .await
 }
+
+/// On PostgreSQL a server writes nothing of its data dir but `logs/`: one
+/// whose data dir is not its own to write (a read-only root, systemd's
+/// `ReadWritePaths=` on the logs alone) starts.
+#[tokio::test]
+async fn on_postgresql_only_the_logs_dir_need_be_writable() {
+    use std::os::unix::fs::PermissionsExt;
+    let nobody = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+    ];
+    let probe = std::process::Command::new(nobody[0])
+        .args(&nobody[1..])
+        .args([env!("CARGO_BIN_EXE_holdfast"), "--version"])
+        .output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: uid 65534 cannot run the server's binary here: {probe:?}");
+        return;
+    }
+    run(Store::Postgres, async {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path();
+        database_for(dir).await;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let logs = dir.join("logs");
+        std::fs::create_dir(&logs).expect("logs");
+        std::os::unix::fs::chown(&logs, Some(65534), Some(65534)).expect("chown");
+        let s = Server::start_under(
+            &[nobody[0], nobody[1], nobody[2], nobody[3], "setsid"],
+            dir,
+            &[],
+        )
+        .await;
+        assert_eq!(s.get("/readyz").await.status, StatusCode::OK);
+        assert!(logs.join("holdfast.lock").exists());
+    })
+    .await
+}
