@@ -19,6 +19,23 @@ pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
         .create(dir)
 }
 
+/// Say so when a directory made before the server made them private (an
+/// older version's, one made by hand) lets any local user in.
+pub fn warn_if_open(dirs: &[&Path]) {
+    use std::os::unix::fs::PermissionsExt;
+    for dir in dirs {
+        if let Ok(meta) = std::fs::metadata(dir)
+            && meta.permissions().mode() & 0o007 != 0
+        {
+            tracing::warn!(
+                dir = %dir.display(),
+                mode = format!("{:04o}", meta.permissions().mode() & 0o7777),
+                "other local users may read the spawned commands' environments and output here: chmod o-rwx it"
+            );
+        }
+    }
+}
+
 /// `path` with its links resolved, as far as it exists: the same file
 /// however it is named.
 pub fn resolved(path: &Path) -> PathBuf {

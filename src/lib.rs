@@ -147,6 +147,7 @@ impl App {
         // on PostgreSQL writes of its data dir.
         let logs = data_dir.join("logs");
         create(&logs)?;
+        data_dir::warn_if_open(&[&data_dir, &logs]);
         let mut held = vec![data_dir::hold(
             logs.join("holdfast.lock"),
             &data_dir::Guarded {

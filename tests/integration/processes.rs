@@ -558,6 +558,15 @@ async fn the_data_dir_its_database_and_logs_are_the_server_s_alone() {
         let path = p["logs"][log].as_str().expect("log path");
         assert_eq!(mode(std::path::Path::new(path)), 0o600, "{path}");
     }
+    assert!(
+        !s.logged("other local users may read"),
+        "its own dirs are private"
+    );
+    s.kill9().await;
+    // One made open before (an older version's) keeps its mode, and is said.
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let s = Server::start_in(&data, &[]).await;
+    assert!(s.logged("other local users may read"), "no warning");
 }
 
 stores!(stop_without_force_leaves_a_stubborn_tree_running);
