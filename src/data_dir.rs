@@ -88,7 +88,26 @@ pub struct Guarded<'a> {
 
 /// Take the lock `lock` (created if needed), which guards `g`; the lock
 /// file says which process holds it.
-pub fn hold(lock: PathBuf, g: &Guarded) -> Result<Held, LockError> {
+pub async fn hold(lock: PathBuf, g: &Guarded<'_>) -> Result<Held, LockError> {
+    let deadline = std::time::Instant::now() + HANDOVER;
+    loop {
+        match try_hold(&lock, g) {
+            Err(LockError::InUse { by, .. }) if std::time::Instant::now() < deadline => {
+                tracing::debug!(lock = %lock.display(), by, "waiting for the server before to end");
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            out => return out,
+        }
+    }
+}
+
+/// How long a lock held by another server is waited for before it counts
+/// as in use: a server killed just now (a restart by a supervisor or a
+/// test harness that does not wait for its exit) lets it go within
+/// milliseconds, as its process ends.
+const HANDOVER: std::time::Duration = std::time::Duration::from_secs(3);
+
+fn try_hold(lock: &Path, g: &Guarded) -> Result<Held, LockError> {
     let io = |source| LockError::Io {
         path: lock.display().to_string(),
         source,
@@ -99,7 +118,7 @@ pub fn hold(lock: PathBuf, g: &Guarded) -> Result<Held, LockError> {
         .create(true)
         .truncate(false)
         .mode(0o600)
-        .open(&lock)
+        .open(lock)
         .map_err(io)?;
     match flock(&file, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => {}
@@ -139,8 +158,8 @@ pub fn hold(lock: PathBuf, g: &Guarded) -> Result<Held, LockError> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_second_hold_is_refused_until_the_first_is_let_go() {
+    #[tokio::test]
+    async fn a_second_hold_is_refused_until_the_first_is_let_go() {
         let dir = tempfile::tempdir().expect("tempdir");
         let g = Guarded {
             what: "the data directory",
@@ -148,15 +167,31 @@ mod tests {
             flag: "--data-dir",
         };
         let lock = dir.path().join("holdfast.lock");
-        let first = hold(lock.clone(), &g).expect("first");
-        let err = hold(lock.clone(), &g).expect_err("second").to_string();
+        let first = hold(lock.clone(), &g).await.expect("first");
+        let err = hold(lock.clone(), &g)
+            .await
+            .expect_err("second")
+            .to_string();
         let me = std::process::id();
         assert!(
             err.contains(&format!("in use by another holdfast server (pid {me})"))
                 && err.ends_with("give this one its own --data-dir"),
             "{err}"
         );
+        // One let go while the next waits is taken over.
+        let next = tokio::spawn({
+            let lock = lock.clone();
+            let path = dir.path().to_owned();
+            async move {
+                let g = Guarded {
+                    what: "the data directory",
+                    path: &path,
+                    flag: "--data-dir",
+                };
+                hold(lock, &g).await.map(|_| ())
+            }
+        });
         drop(first);
-        hold(lock, &g).expect("once let go");
+        next.await.expect("join").expect("taken over once let go");
     }
 }

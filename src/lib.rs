@@ -148,14 +148,17 @@ impl App {
         let logs = data_dir.join("logs");
         create(&logs)?;
         data_dir::warn_if_open(&[&data_dir, &logs]);
-        let mut held = vec![data_dir::hold(
-            logs.join("holdfast.lock"),
-            &data_dir::Guarded {
-                what: "the data directory",
-                path: &data_dir,
-                flag: "--data-dir",
-            },
-        )?];
+        let mut held = vec![
+            data_dir::hold(
+                logs.join("holdfast.lock"),
+                &data_dir::Guarded {
+                    what: "the data directory",
+                    path: &data_dir,
+                    flag: "--data-dir",
+                },
+            )
+            .await?,
+        ];
         let backend: Arc<dyn store::Backend> =
             match config.database().map_err(StartError::Config)? {
                 Database::Sqlite(path) => {
@@ -166,14 +169,17 @@ impl App {
                     // file, through a link as well.
                     let mut lock = data_dir::resolved(&path).into_os_string();
                     lock.push(".lock");
-                    held.push(data_dir::hold(
-                        lock.into(),
-                        &data_dir::Guarded {
-                            what: "the database",
-                            path: &path,
-                            flag: "--database",
-                        },
-                    )?);
+                    held.push(
+                        data_dir::hold(
+                            lock.into(),
+                            &data_dir::Guarded {
+                                what: "the database",
+                                path: &path,
+                                flag: "--database",
+                            },
+                        )
+                        .await?,
+                    );
                     Arc::new(
                         SqliteStore::open(&path, &facts.boot_id, time::now_ms(), hub.clone())
                             .await?,
