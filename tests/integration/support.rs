@@ -1,7 +1,7 @@
 //! A real holdfast server per test: the built binary, an ephemeral port, its
 //! own data directory, and one helper per endpoint.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -367,7 +367,7 @@ impl Drop for Server {
     }
 }
 
-/// Pids of processes holding a file in `dir` open.
+/// Pids of processes holding a log file in `dir` open.
 pub fn holders_under(dir: &Path) -> Vec<i32> {
     let Ok(dir) = dir.canonicalize() else {
         return Vec::new();
@@ -378,11 +378,17 @@ pub fn holders_under(dir: &Path) -> Vec<i32> {
         .collect()
 }
 
-/// Whether process `pid` holds a file in `dir` (a canonical path) open.
+/// Whether process `pid` holds a log file (`.out`, `.err`, deleted or not)
+/// in `dir` (a canonical path) open: the server's own lock there is none.
 pub fn holds_under(pid: i32, dir: &Path) -> bool {
+    let is_log = |target: PathBuf| {
+        let target = target.to_string_lossy().into_owned();
+        let target = target.strip_suffix(" (deleted)").unwrap_or(&target);
+        Path::new(target).starts_with(dir) && (target.ends_with(".out") || target.ends_with(".err"))
+    };
     std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
         fds.flatten()
-            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t.starts_with(dir)))
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(is_log))
     })
 }
 
