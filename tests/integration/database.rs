@@ -92,7 +92,12 @@ async fn a_database_outage_answers_503_and_the_server_recovers_by_itself() {
             sqlx::query(&sql).execute(&mut admin).await.expect("outage");
         }
         let r = s.get("/readyz").await;
-        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.body);
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            "{}",
+            r.body
+        );
         let r = s
             .acquire(json!({"resource": "outage/b", "holder": "h", "ttl_ms": 60_000}))
             .await;
