@@ -109,13 +109,8 @@ pub fn resolve_owner(
         },
         other => ApiError::OwnerUnverifiable(other.to_string()),
     })?;
-    if let Some(seen) = p.start_time
-        && seen != identity.start_time
-    {
-        return Err(ApiError::IdentityMismatch(format!(
-            "pid {pid} now has start time {}, not {seen}: it is another process",
-            identity.start_time
-        )));
+    if let Some(why) = identity.not_the_one_seen(p.start_time.as_deref()) {
+        return Err(ApiError::IdentityMismatch(why));
     }
     // "caller": the process behind the peer's pidfd must be the one read now.
     if let (

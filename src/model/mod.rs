@@ -53,6 +53,17 @@ impl Identity {
                 _ => self.start_time == now.start_time,
             }
     }
+
+    /// Why this, read now, is not the process whose start time a client
+    /// saw (`{pid, start_time}` of an owner or a confirm), if it is not.
+    pub fn not_the_one_seen(&self, seen: Option<&str>) -> Option<String> {
+        seen.filter(|seen| *seen != self.start_time).map(|seen| {
+            format!(
+                "pid {} now has start time {}, not {seen}: it is another process",
+                self.pid, self.start_time
+            )
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]

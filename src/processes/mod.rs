@@ -539,13 +539,8 @@ impl Processes {
         caller: Caller,
     ) -> Result<ProcessView, Error> {
         let mut ident = self.identity_for(pid, caller)?;
-        if let Some(seen) = seen
-            && seen != ident.start_time
-        {
-            return Err(Error::Mismatch(format!(
-                "pid {pid} now has start time {}, not {seen}: it is another process",
-                ident.start_time
-            )));
+        if let Some(why) = ident.not_the_one_seen(seen) {
+            return Err(Error::Mismatch(why));
         }
         if process_group && ident.pgid != Some(pid) {
             return Err(Error::Invalid {
