@@ -149,16 +149,10 @@ async fn list_events(
             .try_acquire_owned()
             .map_err(|_| ApiError::Busy)?;
         let wait = std::time::Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
-        // The watch guard is not Send: keep only whether it fired.
         // At shutdown it answers what there is (nothing) at once.
-        let woken = tokio::time::timeout(wait, async {
-            tokio::select! {
-                r = newest.wait_for(|seq| *seq > after) => r.is_ok(),
-                () = state.hub.waiters.closing() => false,
-            }
-        })
-        .await
-        .unwrap_or(false);
+        let woken = tokio::time::timeout(wait, newer_than(&mut newest, after, &state))
+            .await
+            .unwrap_or(false);
         if woken {
             rows = state.events.read(after, limit).await?;
         }
@@ -296,13 +290,8 @@ fn stream(
                 Ok(rows) if !rows.is_empty() => c.pending.extend(rows),
                 Err(ReadError::Pruned { .. }) => continue,
                 Ok(_) => {
-                    let after = c.after;
                     // At shutdown the stream ends, rather than being cut.
-                    let more = tokio::select! {
-                        r = c.newest.wait_for(|seq| *seq > after) => r.is_ok(),
-                        () = c.state.hub.waiters.closing() => false,
-                    };
-                    if !more {
+                    if !newer_than(&mut c.newest, c.after, &c.state).await {
                         return None;
                     }
                 }
@@ -314,6 +303,20 @@ fn stream(
         }
     });
     Sse::new(events).keep_alive(KeepAlive::new().interval(std::time::Duration::from_secs(15)))
+}
+
+/// Waits until an event after `after` is committed: false when the server
+/// shuts down first (or the log is gone). The watch guard is not Send, so
+/// only whether it fired is kept.
+async fn newer_than(
+    newest: &mut tokio::sync::watch::Receiver<i64>,
+    after: i64,
+    state: &AppState,
+) -> bool {
+    tokio::select! {
+        r = newest.wait_for(|seq| *seq > after) => r.is_ok(),
+        () = state.hub.waiters.closing() => false,
+    }
 }
 
 /// The message that ends a stream: `event: error`, a Problem as its data
