@@ -253,16 +253,12 @@ async fn release_port(
         .map_err(|_| ApiError::NotFound(format!("no reservation of port {port:?}")))?;
     validate::token("token", req.token)?;
     let owner_id = match &req.owner_id {
-        Some(id) => Some(
-            uuid::Uuid::parse_str(id)
-                .map(|u| u.hyphenated().to_string())
-                .map_err(|_| {
-                    ApiError::validation(
-                        "owner_id",
-                        "owner_id must be the id (a UUID) of the lease or process the port is reserved for",
-                    )
-                })?,
-        ),
+        Some(id) => Some(validate::uuid(id).ok_or_else(|| {
+            ApiError::validation(
+                "owner_id",
+                "owner_id must be the id (a UUID) of the lease or process the port is reserved for",
+            )
+        })?),
         None => None,
     };
     answer_in_tx(|out| {

@@ -72,9 +72,14 @@ pub fn metadata(value: Option<Map<String, Value>>) -> Result<Map<String, Value>,
 
 /// A lease or process id: ids are UUIDs, anything else names nothing.
 pub fn id(kind: &str, value: &str) -> Result<String, ApiError> {
+    uuid(value).ok_or_else(|| ApiError::NotFound(format!("no {kind} with id {value:?}")))
+}
+
+/// `value` as ids are stored (a hyphenated UUID), if it is a UUID.
+pub fn uuid(value: &str) -> Option<String> {
     uuid::Uuid::parse_str(value)
+        .ok()
         .map(|u| u.hyphenated().to_string())
-        .map_err(|_| ApiError::NotFound(format!("no {kind} with id {value:?}")))
 }
 
 pub const ARGV_MAX: usize = 256;
