@@ -251,10 +251,16 @@ impl Config {
                  or listen on a loopback address"
             ));
         }
-        if self.listen == Listen::None && self.unix_socket.is_none() {
-            return Err("--listen none needs --unix-socket".into());
+        if let Some(why) = self.listens_nowhere() {
+            return Err(why.into());
         }
         Ok(())
+    }
+
+    /// Why this configuration would serve on no listener at all, if so.
+    pub fn listens_nowhere(&self) -> Option<&'static str> {
+        (self.listen == Listen::None && self.unix_socket.is_none())
+            .then_some("--listen none needs --unix-socket PATH: the server would listen nowhere")
     }
 
     pub fn data_dir(&self) -> PathBuf {

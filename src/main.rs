@@ -57,13 +57,10 @@ fn main() -> ExitCode {
         }
         Command::Healthcheck => ExitCode::from(cli::healthcheck(&cli.conn)),
         Command::Serve(config) => {
-            if config.listen == holdfast::config::Listen::None && config.unix_socket.is_none() {
+            if let Some(why) = config.listens_nowhere() {
                 // Wrong usage, as clap's own refusals are (exit 2).
                 Cli::command()
-                    .error(
-                        clap::error::ErrorKind::MissingRequiredArgument,
-                        "--listen none needs --unix-socket PATH: the server would listen nowhere",
-                    )
+                    .error(clap::error::ErrorKind::MissingRequiredArgument, why)
                     .exit();
             }
             serve(*config)
