@@ -287,7 +287,16 @@ impl Processes {
             observed
         });
         let (identity, exit_rx) = match spawned {
-            Ok((Ok(identity), rx)) => (identity, rx),
+            // The group is the one it was started in, whatever the read saw:
+            // a child that moved out of it at once (setpgid) does not take
+            // what it left there out of the stop.
+            Ok((Ok(identity), rx)) => (
+                Identity {
+                    pgid: Some(identity.pid),
+                    ..identity
+                },
+                rx,
+            ),
             Ok((Err(e), _)) => {
                 let reason = format!("spawn_failed: cannot read the child's identity: {e}");
                 let failure = SpawnFailure::Unverifiable(e.to_string());

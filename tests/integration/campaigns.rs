@@ -13,7 +13,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::stores::stores;
-use crate::support::{Server, alive, holders_under};
+use crate::support::{Seen, Server, alive, holders_under};
 
 const KILLS: usize = 50;
 const LEASE_WORKERS: usize = 4;
@@ -217,7 +217,10 @@ async fn check(s: &Server, dir: &Path, ledger: &Ledger) {
         assert_eq!(p["pid"].as_i64(), Some(*pid), "{p}");
         if ledger.stopped.contains(id) {
             assert_eq!(p["state"], "stopped", "an answered stop is kept: {p}");
-            assert!(!alive(*pid), "stopped process {pid} still runs");
+            assert!(
+                !Seen::recorded(&p).runs(),
+                "stopped process {pid} still runs"
+            );
         } else if p["state"] == "running" {
             assert!(alive(*pid), "running record of a dead pid: {p}");
         }

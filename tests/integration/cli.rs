@@ -13,7 +13,7 @@ use tokio::io::{AsyncBufRead, AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, Command};
 
 use crate::kill::Group;
-use crate::support::{Server, alive, until};
+use crate::support::{Seen, Server, alive, until};
 
 const BIN: &str = env!("CARGO_BIN_EXE_holdfast");
 /// How long any one command may take before the test gives up on it.
@@ -727,6 +727,7 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
         .and_then(|p| p.parse().ok())
         .expect("pid column");
     let _idle = Group::new(idle_pid);
+    let idle_seen = Seen::now(i64::from(idle_pid));
 
     let ps = ok(hf(&s, "ps")).await;
     assert_eq!(ps.stdout.lines().count(), 3, "{}", ps.stdout);
@@ -795,7 +796,7 @@ async fn cli_spawn_ps_logs_stop_and_ports() {
     .await
     .json();
     assert_eq!(stopped["state"], "stopped");
-    assert!(!alive(i64::from(idle_pid)));
+    assert!(!idle_seen.runs());
     let people = ok(hf(
         &s,
         &format!("stop {} --token {} --no-force", pid_id, spawned["token"]),
@@ -1012,6 +1013,8 @@ fn run_sh(s: &Server, extra: &[&str], dir: &Path, script: &str) -> Command {
 struct Running {
     child: Child,
     pid: i32,
+    /// The command, known by its start time too.
+    seen: Seen,
     _group: Group,
 }
 
@@ -1025,6 +1028,7 @@ async fn start(mut cmd: Command, dir: &Path) -> Running {
     Running {
         child,
         pid,
+        seen: Seen::now(i64::from(pid)),
         _group: Group::new(pid),
     }
 }
@@ -1211,7 +1215,7 @@ async fn cli_run_killed_leaves_no_command_and_frees_the_lease() {
     let args = ["--lease", "job/kill9", "--wait", "10s"];
     let second = start(run_sh(&s, &args, next.path(), &script), next.path()).await;
     assert!(
-        !alive(pid),
+        !run.seen.runs(),
         "the killed run's command is gone before the next starts"
     );
     assert!(
@@ -1261,7 +1265,7 @@ async fn cli_run_stops_the_command_and_exits_75_when_the_lease_is_broken() {
     assert_error_line(&o, "lease_lost");
     assert!(o.stderr.contains("broken:maintenance"), "{}", o.stderr);
     assert!(
-        !alive(i64::from(run.pid)),
+        !run.seen.runs(),
         "the command was stopped before run exited"
     );
 

@@ -8,7 +8,7 @@ use serde_json::json;
 
 use crate::races::{RESOURCES, check_history, hammer};
 use crate::stores::{Store, run, share_database};
-use crate::support::{Proc, Server, alive, metric};
+use crate::support::{Proc, Seen, Server, alive, metric};
 
 /// Servers "host-a" and "host-b" on one database, each with its own data
 /// directory; `args` go to both.
@@ -136,7 +136,7 @@ async fn a_host_never_signals_another_hosts_process_and_claims_only_its_own() {
             .eventually(&path, Duration::from_secs(10), |v| v["state"] == "stopped")
             .await;
         assert_eq!(done["end_reason"], "orphan_reconciled");
-        assert!(!alive(pid));
+        assert!(!Seen::recorded(&p).runs());
         let stops: Vec<_> = a
             .all_events()
             .await

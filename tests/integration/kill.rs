@@ -125,7 +125,7 @@ async fn a_group_guard_kills_its_group_and_not_a_later_one_of_its_id() {
         member.is_some()
     })
     .await;
-    let member = member.expect("the shell's sleep joined its group");
+    let member = crate::support::Seen::now(member.expect("the shell's sleep joined its group"));
     let guard = Group::new(pid);
     // A guard made for an earlier group of the same id, in the same
     // session, whose leader ended and left the id to this one.
@@ -143,7 +143,7 @@ async fn a_group_guard_kills_its_group_and_not_a_later_one_of_its_id() {
             .is_err(),
         "a later group of the id is left alone"
     );
-    assert!(crate::support::alive(member), "its member too");
+    assert!(member.runs(), "its member too");
     drop(guard);
     let status = tokio::time::timeout(Duration::from_secs(10), leader.wait())
         .await
@@ -151,7 +151,7 @@ async fn a_group_guard_kills_its_group_and_not_a_later_one_of_its_id() {
         .expect("reaped");
     assert_eq!(status.signal(), Some(9), "its own group is killed");
     assert!(
-        crate::support::until(Duration::from_secs(10), || !crate::support::alive(member)).await,
+        crate::support::until(Duration::from_secs(10), || !member.runs()).await,
         "and its member"
     );
 }

@@ -8,7 +8,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 
 use crate::stores::stores;
-use crate::support::{Proc, Server, alive};
+use crate::support::{Proc, Seen, Server, alive};
 
 fn id(v: &serde_json::Value) -> String {
     v["id"].as_str().expect("id").to_owned()
@@ -26,7 +26,6 @@ async fn a_process_is_stopped_when_its_lease_holder_dies() {
         .body;
     let lease_ref = json!({"id": lease["id"], "token": lease["token"]});
     let p = s.spawn(json!({"kind": "dev", "lease": lease_ref, "command": {"argv": ["sleep", "600"]}, "ports": ["http"]})).await;
-    let pid = p["pid"].as_i64().expect("pid");
     assert_eq!(p["lease"], lease_ref);
 
     holder.kill_and_reap().await;
@@ -37,7 +36,7 @@ async fn a_process_is_stopped_when_its_lease_holder_dies() {
     assert_eq!(done["end_reason"], "orphan_reconciled");
     assert_eq!(done["token"], 2, "claiming fenced the old token");
     assert_eq!(done["ports"], json!({}));
-    assert!(!alive(pid));
+    assert!(!Seen::recorded(&p).runs());
     let stale = s
         .process_op(&id(&p), "heartbeat", json!({"token": 1}))
         .await;
@@ -89,13 +88,12 @@ async fn a_process_whose_heartbeats_stop_is_claimed() {
     let p = s
         .spawn(json!({"kind": "dev", "ttl_ms": 1000, "command": {"argv": ["sleep", "600"]}}))
         .await;
-    let pid = p["pid"].as_i64().expect("pid");
     let path = format!("/v1/processes/{}", id(&p));
     let done = s
         .eventually(&path, Duration::from_secs(10), |v| v["state"] == "stopped")
         .await;
     assert_eq!(done["end_reason"], "orphan_reconciled");
-    assert!(!alive(pid));
+    assert!(!Seen::recorded(&p).runs());
 }
 
 stores!(after_a_restart_running_processes_are_watched_again);
@@ -136,7 +134,7 @@ async fn after_a_restart_running_processes_are_watched_again() {
         .await;
     assert_eq!(stop.status, StatusCode::OK, "{}", stop.body);
     assert_eq!(stop.body["state"], "stopped");
-    assert!(!alive(b["pid"].as_i64().expect("pid")));
+    assert!(!Seen::recorded(&b).runs());
 }
 
 stores!(another_hosts_process_is_never_signalled);
@@ -200,7 +198,7 @@ async fn a_child_spawned_before_a_crash_is_adopted_though_its_pid_was_not_record
         .process_op(&id(&p), "stop", json!({"token": 1, "grace_ms": 2000}))
         .await;
     assert_eq!(stop.body["state"], "stopped", "{}", stop.body);
-    assert!(!alive(pid));
+    assert!(!Seen::recorded(&p).runs());
 }
 
 /// Kill the server as if after the fork of `p`'s spawn, before the second
@@ -225,14 +223,11 @@ async fn a_reader_of_a_cut_spawn_s_log_is_neither_adopted_nor_killed() {
     let p = s
         .spawn(json!({"kind": "dev", "command": {"argv": ["sleep", "600"]}}))
         .await;
-    let child = p["pid"].as_i64().expect("pid");
+    let child = Seen::recorded(&p);
     cut_after_the_fork(s, dir.path(), &p).await;
     // The child died with the server; a reader of its log (a user's
     // `tail -f`, leading a group of its own, as the child did) is left.
-    std::process::Command::new("kill")
-        .args(["-9", &child.to_string()])
-        .status()
-        .expect("kill");
+    crate::kill::kill_if(i32::try_from(child.pid()).expect("pid"), |_| child.runs());
     let mut reader = std::process::Command::new("tail")
         .args(["-f", p["logs"]["stdout"].as_str().expect("stdout")])
         .process_group(0)
@@ -246,7 +241,7 @@ async fn a_reader_of_a_cut_spawn_s_log_is_neither_adopted_nor_killed() {
         })
     };
     assert!(crate::support::until(Duration::from_secs(5), opened).await);
-    assert!(crate::support::until(Duration::from_secs(5), || !alive(child)).await);
+    assert!(crate::support::until(Duration::from_secs(5), || !child.runs()).await);
 
     let s = Server::start_in(dir.path(), &[]).await;
     let now = s.process(&id(&p)).await;
@@ -347,7 +342,7 @@ async fn a_released_lease_takes_its_processes_with_it_between_timed_passes() {
         .eventually(&path, Duration::from_secs(10), |v| v["state"] == "stopped")
         .await;
     assert_eq!(done["end_reason"], "orphan_reconciled");
-    assert!(!alive(p["pid"].as_i64().expect("pid")));
+    assert!(!Seen::recorded(&p).runs());
 }
 
 stores!(a_stop_cut_by_a_crash_is_finished_after_the_restart_and_ends_stopped);
@@ -366,9 +361,9 @@ async fn a_stop_cut_by_a_crash_is_finished_after_the_restart_and_ends_stopped() 
         .status()
         .expect("kill");
     assert!(
-        crate::support::until(std::time::Duration::from_secs(10), || !alive(pid(
-            &signalled
-        )))
+        crate::support::until(std::time::Duration::from_secs(10), || {
+            !Seen::recorded(&signalled).runs()
+        })
         .await
     );
     crate::stores::execute_sql(
@@ -393,6 +388,6 @@ async fn a_stop_cut_by_a_crash_is_finished_after_the_restart_and_ends_stopped() 
             now["state"], "stopped",
             "holdfast's own stop, finished: {now}"
         );
-        assert!(!alive(pid(p)));
+        assert!(!Seen::recorded(p).runs());
     }
 }

@@ -6,7 +6,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 
 use crate::stores::stores;
-use crate::support::{Proc, Server, alive, group_members, until};
+use crate::support::{Proc, Seen, Server, alive, group_members, until};
 
 fn id(v: &serde_json::Value) -> String {
     v["id"].as_str().expect("id").to_owned()
@@ -458,7 +458,7 @@ async fn stop_kills_a_group_whose_leader_ignores_sigterm_grandchildren_included(
         until(Duration::from_secs(5), || group_members(pgid).len() == 3).await,
         "leader and two children"
     );
-    let members = group_members(pgid);
+    let members: Vec<Seen> = group_members(pgid).into_iter().map(Seen::now).collect();
     let started = std::time::Instant::now();
     let stop = s
         .process_op(
@@ -474,17 +474,15 @@ async fn stop_kills_a_group_whose_leader_ignores_sigterm_grandchildren_included(
         started.elapsed() >= Duration::from_millis(300),
         "TERM was ignored for the grace period"
     );
-    for pid in members.iter().copied() {
-        assert!(!alive(pid), "{pid} survived the stop");
+    for member in &members {
+        assert!(!member.runs(), "{member:?} survived the stop");
     }
     assert!(group_members(pgid).is_empty());
     // The grandchildren were orphaned by the shell and inherited by the
     // server (a child subreaper), which reaps them: no zombie is left.
     let server = crate::support::server_pid(&s);
     let reaped = until(Duration::from_secs(5), || {
-        members
-            .iter()
-            .all(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+        members.iter().all(|member| !member.present())
     })
     .await;
     assert!(reaped, "zombies left under server {server}");
@@ -515,18 +513,20 @@ async fn stop_reaches_a_leader_that_left_its_group_and_not_the_group_it_joined()
         until(Duration::from_secs(10), || joined().is_some()).await,
         "it never moved"
     );
-    let bystander = joined().expect("the group it joined");
+    let bystander = Seen::now(joined().expect("the group it joined"));
     let stop = s
         .process_op(&id(&p), "stop", json!({"token": 1, "grace_ms": 2000}))
         .await;
     assert_eq!(stop.status, StatusCode::OK, "{}", stop.body);
     assert_eq!(stop.body["state"], "stopped", "{}", stop.body);
-    assert!(!alive(leader), "the recorded process was not reached");
-    assert!(alive(bystander), "the group it joined was signalled");
-    std::process::Command::new("kill")
-        .args(["-9", &bystander.to_string()])
-        .status()
-        .expect("kill");
+    assert!(
+        !Seen::recorded(&p).runs(),
+        "the recorded process was not reached"
+    );
+    assert!(bystander.runs(), "the group it joined was signalled");
+    crate::kill::kill_if(i32::try_from(bystander.pid()).expect("pid"), |_| {
+        bystander.runs()
+    });
 }
 
 /// On disk as on the API: the database holds the spawned commands'

@@ -494,26 +494,76 @@ impl Server {
     }
 }
 
-/// `pid`'s start time (`/proc/<pid>/stat` field 22), as identities show it.
-pub fn start_time(pid: i64) -> String {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-    stat.rsplit(')')
-        .next()
-        .and_then(|rest| rest.split_whitespace().nth(19))
-        .expect("start time")
-        .to_owned()
+/// `pid`'s state letter and start time (`/proc/<pid>/stat` fields 3 and
+/// 22), read together.
+fn state_and_start(pid: i64) -> Option<(String, String)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    let state = fields.next()?.to_owned();
+    Some((state, fields.nth(18)?.to_owned()))
 }
 
-/// Whether `pid` is a running (not zombie) process right now.
+/// `pid`'s start time, as identities show it.
+pub fn start_time(pid: i64) -> String {
+    state_and_start(pid).expect("stat").1
+}
+
+/// Whether `pid` is a running (not zombie) process right now. Only for a
+/// process that must be alive: once it may have ended, its pid may be
+/// another's, which [`Seen`] tells apart.
 pub fn alive(pid: i64) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !matches!(
-            stat.rsplit(')')
-                .next()
-                .and_then(|r| r.split_whitespace().next()),
-            Some("Z" | "X")
-        ),
-        Err(_) => false,
+    state_and_start(pid).is_some_and(|(state, _)| !matches!(state.as_str(), "Z" | "X"))
+}
+
+/// A process known by its pid and its start time. Pids come round within
+/// seconds here (tests beside this one steer them through `ns_last_pid`):
+/// after it ends, its bare pid may name a stranger that runs on.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pid: i64,
+    start: Option<String>,
+}
+
+impl Seen {
+    /// `pid` as it is now; a pid with no process runs nothing later either.
+    pub fn now(pid: i64) -> Self {
+        Self {
+            pid,
+            start: state_and_start(pid).map(|(_, start)| start),
+        }
+    }
+
+    /// A process record's process, as the server recorded it.
+    pub fn recorded(p: &Value) -> Self {
+        Self {
+            pid: p["pid"].as_i64().unwrap_or_else(|| panic!("no pid: {p}")),
+            start: Some(
+                p["identity"]["start_time"]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("no start time: {p}"))
+                    .to_owned(),
+            ),
+        }
+    }
+
+    pub fn pid(&self) -> i64 {
+        self.pid
+    }
+
+    /// Whether this process, not a later one with its pid, runs (is not a zombie).
+    pub fn runs(&self) -> bool {
+        self.state()
+            .is_some_and(|s| !matches!(s.as_str(), "Z" | "X"))
+    }
+
+    /// Whether this process is there still, as a zombie perhaps: not reaped.
+    pub fn present(&self) -> bool {
+        self.state().is_some()
+    }
+
+    fn state(&self) -> Option<String> {
+        let (state, start) = state_and_start(self.pid)?;
+        (self.start.as_ref() == Some(&start)).then_some(state)
     }
 }
 
