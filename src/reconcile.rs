@@ -92,6 +92,17 @@ pub async fn leases_pass(store: &Store, leases: &Leases) -> Result<usize, StoreE
 
 /// Run a pass now, then every `interval` and whenever a lease ends (its
 /// processes are to be claimed at once), until `shutdown` turns true.
+/// A pass that failed: in an outage, one more sign of it (the outage has a
+/// line of its own), otherwise a line of its own.
+fn failed(e: &StoreError, what: &str) {
+    match e {
+        StoreError::Unavailable(d) | StoreError::OutcomeUnknown(d) => {
+            crate::store::outage::OUTAGE.failed(d);
+        }
+        e => tracing::warn!(error = %e, "{what}"),
+    }
+}
+
 pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -110,10 +121,10 @@ pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver
             match leases_pass(&parts.store, &parts.leases).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(ended = n, "reconciler ended leases"),
-                Err(e) => tracing::warn!(error = %e, "reconciler pass over leases failed"),
+                Err(e) => failed(&e, "reconciler pass over leases failed"),
             }
             if let Err(e) = prune(&parts).await {
-                tracing::warn!(error = %e, "pruning events failed");
+                failed(&e, "pruning events failed");
             }
         } else if !parts.processes.may_have_current() {
             continue;
@@ -128,7 +139,7 @@ pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver
                 }
                 parts.metrics.owner_unverifiable.set(pass.unverified as i64);
             }
-            Err(e) => tracing::warn!(error = %e, "reconciler pass over processes failed"),
+            Err(e) => failed(&e, "reconciler pass over processes failed"),
         }
         parts.metrics.reconciler_passes.inc();
     }

@@ -409,7 +409,7 @@ impl IntoResponse for ApiError {
                 BUSY_DETAIL.into(),
             ),
             Self::Unavailable(d) => {
-                tracing::error!(error = %d, "store unavailable");
+                crate::store::outage::OUTAGE.refused(&d);
                 (
                     StatusCode::SERVICE_UNAVAILABLE,
                     Code::Unavailable,

@@ -344,8 +344,12 @@ fn store_error(e: StoreError) -> serde_json::Value {
         StoreError::Busy | StoreError::Stale | StoreError::RequestInProgress => {
             (Code::Busy, "Busy", BUSY_DETAIL)
         }
-        StoreError::Unavailable(d) | StoreError::Other(d) | StoreError::OutcomeUnknown(d) => {
-            tracing::error!(error = %d, "store unavailable while streaming events");
+        StoreError::Unavailable(d) | StoreError::OutcomeUnknown(d) => {
+            crate::store::outage::OUTAGE.refused(&d);
+            (Code::Unavailable, "Store unavailable", UNAVAILABLE_DETAIL)
+        }
+        StoreError::Other(d) => {
+            tracing::error!(error = %d, "store error while streaming events");
             (Code::Unavailable, "Store unavailable", UNAVAILABLE_DETAIL)
         }
     };

@@ -7,6 +7,7 @@ pub mod counters;
 pub mod db;
 mod group;
 mod migrate;
+pub mod outage;
 pub mod postgres;
 mod rows;
 use crate::idempotency::Claim;
@@ -394,6 +395,7 @@ impl Store {
         if let (true, Some(c)) = (answered, &claim) {
             c.mark_answered();
         }
+        outage::OUTAGE.answered();
         Ok(out)
     }
 

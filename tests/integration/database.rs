@@ -9,7 +9,7 @@ use serde_json::json;
 use sqlx::Connection;
 
 use crate::stores::{Store, database_for, postgres_base, run};
-use crate::support::{Server, fails_to_start};
+use crate::support::{Server, fails_to_start, until};
 
 async fn admin() -> sqlx::PgConnection {
     let base = postgres_base().expect("PostgreSQL tests are on");
@@ -116,6 +116,13 @@ async fn a_database_outage_answers_503_and_the_server_recovers_by_itself() {
             .expect("recover");
         s.eventually("/readyz", Duration::from_secs(10), |v| v["status"] == "ok")
             .await;
+        // The log says when the outage began and when it ended, once each,
+        // not once per refused request.
+        assert!(
+            until(Duration::from_secs(5), || s.logged("store available again")).await,
+            "the end of the outage is not logged"
+        );
+        assert_eq!(s.lines_saying("store unavailable"), 1);
         assert_eq!(
             s.lease(held["id"].as_str().expect("id")).await["state"],
             "active"

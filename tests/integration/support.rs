@@ -158,8 +158,13 @@ impl Server {
 
     /// Whether a line of the server's log so far (its last lines) says `text`.
     pub fn logged(&self, text: &str) -> bool {
+        self.lines_saying(text) > 0
+    }
+
+    /// How many of the server's last lines of log say `text`.
+    pub fn lines_saying(&self, text: &str) -> usize {
         let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
-        log.iter().any(|line| line.contains(text))
+        log.iter().filter(|line| line.contains(text)).count()
     }
 
     /// Its data directory.
