@@ -90,8 +90,6 @@ pub async fn leases_pass(store: &Store, leases: &Leases) -> Result<usize, StoreE
     Ok(ended)
 }
 
-/// Run a pass now, then every `interval` and whenever a lease ends (its
-/// processes are to be claimed at once), until `shutdown` turns true.
 /// A pass that failed: in an outage, one more sign of it (the outage has a
 /// line of its own), otherwise a line of its own.
 fn failed(e: &StoreError, what: &str) {
@@ -103,6 +101,8 @@ fn failed(e: &StoreError, what: &str) {
     }
 }
 
+/// Run a pass now, then every `interval` and whenever a lease ends (its
+/// processes are to be claimed at once), until `shutdown` turns true.
 pub async fn run(parts: Parts, interval: Duration, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

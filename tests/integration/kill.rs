@@ -30,6 +30,8 @@ pub struct Stat {
     pub session: i32,
     /// Clock ticks after boot.
     pub start: u64,
+    /// Ended, not reaped yet (state `Z` or `X`).
+    pub zombie: bool,
 }
 
 pub fn stat(pid: i32) -> Option<Stat> {
@@ -37,6 +39,7 @@ pub fn stat(pid: i32) -> Option<Stat> {
     // The fields after the command's closing parenthesis, from field 3 on.
     let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
     Some(Stat {
+        zombie: matches!(*fields.first()?, "Z" | "X"),
         pgrp: fields.get(2)?.parse().ok()?,
         session: fields.get(3)?.parse().ok()?,
         start: fields.get(19)?.parse().ok()?,

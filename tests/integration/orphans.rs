@@ -227,7 +227,7 @@ async fn a_reader_of_a_cut_spawn_s_log_is_neither_adopted_nor_killed() {
     cut_after_the_fork(s, dir.path(), &p).await;
     // The child died with the server; a reader of its log (a user's
     // `tail -f`, leading a group of its own, as the child did) is left.
-    crate::kill::kill_if(i32::try_from(child.pid()).expect("pid"), |_| child.runs());
+    child.kill();
     let mut reader = std::process::Command::new("tail")
         .args(["-f", p["logs"]["stdout"].as_str().expect("stdout")])
         .process_group(0)

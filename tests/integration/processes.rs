@@ -524,9 +524,7 @@ async fn stop_reaches_a_leader_that_left_its_group_and_not_the_group_it_joined()
         "the recorded process was not reached"
     );
     assert!(bystander.runs(), "the group it joined was signalled");
-    crate::kill::kill_if(i32::try_from(bystander.pid()).expect("pid"), |_| {
-        bystander.runs()
-    });
+    bystander.kill();
 }
 
 /// On disk as on the API: the database holds the spawned commands'

@@ -499,25 +499,20 @@ impl Server {
     }
 }
 
-/// `pid`'s state letter and start time (`/proc/<pid>/stat` fields 3 and
-/// 22), read together.
-fn state_and_start(pid: i64) -> Option<(String, String)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
-    let state = fields.next()?.to_owned();
-    Some((state, fields.nth(18)?.to_owned()))
+fn stat(pid: i64) -> Option<crate::kill::Stat> {
+    crate::kill::stat(i32::try_from(pid).ok()?)
 }
 
-/// `pid`'s start time, as identities show it.
+/// `pid`'s start time (`/proc/<pid>/stat` field 22), as identities show it.
 pub fn start_time(pid: i64) -> String {
-    state_and_start(pid).expect("stat").1
+    stat(pid).expect("stat").start.to_string()
 }
 
 /// Whether `pid` is a running (not zombie) process right now. Only for a
 /// process that must be alive: once it may have ended, its pid may be
 /// another's, which [`Seen`] tells apart.
 pub fn alive(pid: i64) -> bool {
-    state_and_start(pid).is_some_and(|(state, _)| !matches!(state.as_str(), "Z" | "X"))
+    stat(pid).is_some_and(|s| !s.zombie)
 }
 
 /// A process known by its pid and its start time. Pids come round within
@@ -526,7 +521,7 @@ pub fn alive(pid: i64) -> bool {
 #[derive(Debug, Clone)]
 pub struct Seen {
     pid: i64,
-    start: Option<String>,
+    start: Option<u64>,
 }
 
 impl Seen {
@@ -534,41 +529,41 @@ impl Seen {
     pub fn now(pid: i64) -> Self {
         Self {
             pid,
-            start: state_and_start(pid).map(|(_, start)| start),
+            start: stat(pid).map(|s| s.start),
         }
     }
 
     /// A process record's process, as the server recorded it.
     pub fn recorded(p: &Value) -> Self {
+        let start = p["identity"]["start_time"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no start time: {p}"));
         Self {
             pid: p["pid"].as_i64().unwrap_or_else(|| panic!("no pid: {p}")),
-            start: Some(
-                p["identity"]["start_time"]
-                    .as_str()
-                    .unwrap_or_else(|| panic!("no start time: {p}"))
-                    .to_owned(),
-            ),
+            start: Some(start),
         }
-    }
-
-    pub fn pid(&self) -> i64 {
-        self.pid
     }
 
     /// Whether this process, not a later one with its pid, runs (is not a zombie).
     pub fn runs(&self) -> bool {
-        self.state()
-            .is_some_and(|s| !matches!(s.as_str(), "Z" | "X"))
+        self.stat().is_some_and(|s| !s.zombie)
     }
 
     /// Whether this process is there still, as a zombie perhaps: not reaped.
     pub fn present(&self) -> bool {
-        self.state().is_some()
+        self.stat().is_some()
     }
 
-    fn state(&self) -> Option<String> {
-        let (state, start) = state_and_start(self.pid)?;
-        (self.start.as_ref() == Some(&start)).then_some(state)
+    /// SIGKILL this process if it still runs (through a pidfd opened first).
+    pub fn kill(&self) {
+        if let Ok(pid) = i32::try_from(self.pid) {
+            crate::kill::kill_if(pid, |_| self.runs());
+        }
+    }
+
+    fn stat(&self) -> Option<crate::kill::Stat> {
+        stat(self.pid).filter(|s| Some(s.start) == self.start)
     }
 }
 
