@@ -67,11 +67,7 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
         return ApiError::PayloadTooLarge.into_response();
     };
     let target = parts.uri.path_and_query().map_or("", |p| p.as_str());
-    let request = format!(
-        "{} {target}\n{}",
-        parts.method,
-        String::from_utf8_lossy(&bytes)
-    );
+    let request = format!("{} {target}\n{}", parts.method, canonical(&bytes));
     // Answered here, not kept by the store yet (see `super::unkept`).
     if let Some(first) = state.unkept.answer(&key) {
         return again(first, &request);
@@ -105,6 +101,19 @@ pub async fn guard(State(state): State<AppState>, req: Request, next: Next) -> R
     task.await.unwrap_or_else(|_| {
         ApiError::Internal("a request with an idempotency key panicked".into()).into_response()
     })
+}
+
+/// A body as it is compared with the first request's: a JSON body in one
+/// form whatever its spacing and the order of its members, as a client
+/// that builds it again for a retry may not keep them; any other as sent.
+fn canonical(bytes: &[u8]) -> String {
+    match serde_json::from_slice::<serde_json::Value>(bytes) {
+        Ok(mut v) => {
+            v.sort_all_objects();
+            v.to_string()
+        }
+        Err(_) => String::from_utf8_lossy(bytes).into_owned(),
+    }
 }
 
 /// The keys of the keyed requests this host is answering, with their

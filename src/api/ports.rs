@@ -68,7 +68,7 @@ pub struct ReserveRequest {
     pub names: Vec<String>,
     #[schema(value_type = PortOwnerSpec)]
     pub owner: OwnerRef,
-    /// Inclusive `[low, high]` within 1024..=65535 (either bound first); default `[20000, 29999]`.
+    /// Inclusive `[lowest, highest]` within 1024..=65535, lowest first; default `[20000, 29999]`.
     #[schema(value_type = Option<crate::model::PortRange>)]
     #[serde(default, deserialize_with = "crate::model::int::opt_port_pair")]
     pub range: Option<[u16; 2]>,
@@ -104,9 +104,8 @@ pub struct PortReleaseRequest {
 pub struct ListQuery {
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
-    #[param(
-        pattern = "^(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})$"
-    )]
+    /// `next_cursor` of the previous page.
+    #[param(format = "uuid")]
     pub cursor: Option<String>,
 }
 
@@ -174,9 +173,13 @@ async fn reserve_ports(
         }
     }
     let range = match req.range {
-        // The ports between two bounds, whichever is given first: JSON
-        // Schema cannot say which comes first, so the document does not.
-        Some([a, b]) if crate::model::PORTS_ALLOWED.contains(&a.min(b)) => a.min(b)..=a.max(b),
+        Some([a, b]) if crate::model::PORTS_ALLOWED.contains(&a) && a <= b => a..=b,
+        Some([a, b]) if a > b => {
+            return Err(ApiError::validation(
+                "range",
+                format!("range must be [lowest, highest]: {a} is above {b}"),
+            ));
+        }
         Some(_) => {
             return Err(ApiError::validation(
                 "range",
@@ -208,7 +211,7 @@ fn reserved_answer(reservations: Vec<PortRecord>) -> Response {
     (StatusCode::CREATED, Json(body)).into_response()
 }
 
-/// Current reservations, lowest port first.
+/// Current reservations, newest first.
 #[utoipa::path(
     get, path = "/v1/ports", tag = "ports",
     params(ListQuery),
@@ -218,17 +221,17 @@ async fn list_ports(
     State(state): State<AppState>,
     Params(q): Params<ListQuery>,
 ) -> Result<Json<PortList>, ApiError> {
-    let page = paging::page(q.limit, q.cursor, |c| c.parse::<u16>().ok())?;
+    let page = paging::page(q.limit, q.cursor, paging::id_cursor)?;
     let items = state
         .store
         .backend()
         .list_ports(
             Some(&state.ports.host_id()),
-            page.after.unwrap_or(0),
+            page.after.as_deref(),
             page.fetch,
         )
         .await?;
-    let (items, next_cursor) = paging::finish(items, page.limit, |p| p.port.to_string());
+    let (items, next_cursor) = paging::finish(items, page.limit, |p| p.id.clone());
     Ok(Json(PortList { items, next_cursor }))
 }
 

@@ -459,7 +459,7 @@ async fn stop_process(
     responses(
         (status = 200, description = "Finished: the process ended as reported (or as it is, when it already had)", body = ProcessView),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "`fenced` or `process_alive`", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`, `process_alive`, or `remote_process` (it runs on another host, which alone can tell whether it still runs)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 async fn finish_process(

@@ -204,13 +204,10 @@ mod tests {
         let handed = handed.expect("granted to the parked head");
         assert_eq!(handed.acquired.lease.holder, "second");
         assert_eq!(handed.acquired.lease.token, 2);
-        let kinds: Vec<String> = fx
-            .kinds_after(mark)
-            .await
-            .into_iter()
-            .map(|k| k.0)
-            .collect();
-        assert_eq!(kinds, ["lease.released", "lease.acquired"]);
+        assert_eq!(
+            fx.types_after(mark).await,
+            ["lease.released", "lease.acquired"]
+        );
         handed.deliver();
         // Taken: withdrawing yields the lease instead of withdrawing.
         let got = parked.withdraw().await.expect("handed over");

@@ -103,6 +103,9 @@ pub struct ProcessRecord {
     pub lease: Option<TokenRef>,
     pub host_id: String,
     pub identity: Option<Identity>,
+    /// Whether a stop signals the group the process leads: a spawned child's
+    /// always, a confirmed process's only when confirmed with `process_group`.
+    pub signal_group: bool,
     pub owner: Option<Identity>,
     pub spawned: bool,
     pub command: Option<Command>,
@@ -121,10 +124,12 @@ impl ProcessRecord {
     pub fn pid(&self) -> Option<i32> {
         self.identity.as_ref().map(|i| i.pid)
     }
-    /// The process group we may signal: its own, when it leads one.
+    /// The process group we may signal: its own, when it leads one and
+    /// `signal_group` says so.
     pub fn pgid(&self) -> Option<i32> {
         self.identity
             .as_ref()
+            .filter(|_| self.signal_group)
             .and_then(|i| i.pgid.filter(|g| *g == i.pid))
     }
 }

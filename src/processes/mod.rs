@@ -325,7 +325,8 @@ impl Processes {
             tx,
             cx,
             &started_id,
-            identity
+            identity,
+            true
         ));
         match started {
             Ok(Ok(view)) => Ok(view),
@@ -547,7 +548,7 @@ impl Processes {
         process_group: bool,
         caller: Caller,
     ) -> Result<ProcessView, Error> {
-        let mut ident = self.identity_for(pid, caller)?;
+        let ident = self.identity_for(pid, caller)?;
         if let Some(why) = ident.not_the_one_seen(seen) {
             return Err(Error::Mismatch(why));
         }
@@ -557,11 +558,14 @@ impl Processes {
                 detail: format!("pid {pid} does not lead its process group"),
             });
         }
-        if !process_group {
-            // Only a group the process leads is ever signalled.
-            ident.pgid = ident.pgid.filter(|g| *g != pid);
-        }
-        let view = in_tx!(self, true, |tx, cx| ops::confirm(tx, cx, &id, token, ident))??;
+        let view = in_tx!(self, true, |tx, cx| ops::confirm(
+            tx,
+            cx,
+            &id,
+            token,
+            ident,
+            process_group
+        ))??;
         if let Some(rec) = self.store.backend().get_process(&view.id).await? {
             self.watch(&rec);
         }

@@ -153,6 +153,7 @@ pub async fn create(
         lease: c.lease,
         host_id: host_id.to_owned(),
         identity: None,
+        signal_group: false,
         owner: c.owner,
         spawned: c.command.is_some(),
         command: c.command,
@@ -180,12 +181,14 @@ pub async fn create(
     Ok(Ok((rec, ports)))
 }
 
-/// A spawned child is running with this identity.
+/// A spawned or confirmed process is running with this identity; a stop
+/// signals the group it leads if `signal_group`.
 pub async fn started(
     tx: &mut dyn Tx,
     cx: Ctx<'_>,
     id: &str,
     identity: Identity,
+    signal_group: bool,
 ) -> Result<Outcome<ProcessView>> {
     let Some(mut rec) = tx.process(id).await? else {
         return Ok(Err(ProcError::NotFound));
@@ -195,6 +198,7 @@ pub async fn started(
     }
     rec.state = ProcessState::Running;
     rec.identity = Some(identity);
+    rec.signal_group = signal_group;
     rec.started_at = Some(cx.now);
     tx.update_process(&rec).await?;
     Ok(Ok(event(
@@ -238,6 +242,7 @@ pub async fn confirm(
     id: &str,
     token: i64,
     identity: Identity,
+    signal_group: bool,
 ) -> Result<Outcome<ProcessView>> {
     let rec = match fenced(tx, cx, id, token).await? {
         Ok(r) => r,
@@ -253,7 +258,7 @@ pub async fn confirm(
     if rec.state != ProcessState::Starting {
         return Ok(Err(ProcError::Fenced(boxed(tx, cx, &rec).await?)));
     }
-    started(tx, cx, id, identity).await
+    started(tx, cx, id, identity, signal_group).await
 }
 
 pub async fn heartbeat(
@@ -416,12 +421,16 @@ pub async fn finish(
     if !rec.state.is_current() {
         return Ok(Ok(view(tx, cx, rec).await?));
     }
-    if rec
-        .identity
-        .as_ref()
-        .is_some_and(|i| cx.host.judge(i).status == Liveness::Live)
-    {
-        return Ok(Err(ProcError::ProcessAlive(boxed(tx, cx, &rec).await?)));
+    // A process of another host may still run there: only its own host
+    // can tell, and a live process never loses its operation id or ports.
+    match rec.identity.as_ref().map(|i| cx.host.judge(i).status) {
+        Some(Liveness::Live) => {
+            return Ok(Err(ProcError::ProcessAlive(boxed(tx, cx, &rec).await?)));
+        }
+        Some(Liveness::Remote) => {
+            return Ok(Err(ProcError::RemoteProcess(boxed(tx, cx, &rec).await?)));
+        }
+        _ => {}
     }
     if exit_code.is_some() {
         rec.exit.code = exit_code;
@@ -493,10 +502,7 @@ pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<Proc
         return Ok(None);
     };
     rec.token += 1;
-    // A registration never confirmed may have been launched by its client
-    // all the same: it keeps its operation id and ports, as an orphan
-    // nothing is signalled for, until its token holder or an admin ends it.
-    let unconfirmed = rec.state == ProcessState::Starting;
+    let unconfirmed = rec.state == ProcessState::Starting || rec.identity.is_none();
     rec.state = ProcessState::Orphaned;
     tx.update_process(&rec).await?;
     tx.require_durable();
@@ -508,7 +514,26 @@ pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<Proc
         json!({ "reason": why }),
     )
     .await?;
-    Ok((!unconfirmed).then_some(rec))
+    if unconfirmed {
+        // Never confirmed, it has no process tree to stop: it ends in the
+        // claim's own transaction, as a stop of a `starting` record does.
+        end_orphan_record(tx, cx, &mut rec).await?;
+        return Ok(None);
+    }
+    Ok(Some(rec))
+}
+
+/// An orphan's stop is over: `stopped` as `orphan_reconciled`.
+async fn end_orphan_record(tx: &mut dyn Tx, cx: Ctx<'_>, rec: &mut ProcessRecord) -> Result<()> {
+    end(
+        tx,
+        cx,
+        rec,
+        ProcessState::Stopped,
+        "orphan_reconciled".into(),
+    )
+    .await?;
+    Ok(())
 }
 
 /// The reconciler's stop of an orphan is over.
@@ -529,14 +554,7 @@ pub async fn end_orphan(
     match outcome {
         Stopped::Settled(exit) => {
             learn_exit(&mut rec, exit);
-            end(
-                tx,
-                cx,
-                &mut rec,
-                ProcessState::Stopped,
-                "orphan_reconciled".into(),
-            )
-            .await?;
+            end_orphan_record(tx, cx, &mut rec).await?;
         }
         Stopped::Reused => {
             end(tx, cx, &mut rec, ProcessState::Exited, "pid_reused".into()).await?;

@@ -72,7 +72,7 @@ async fn register(fx: &Fixture, c: Create) -> ProcessRecord {
 
 async fn confirm(fx: &Fixture, id: &str, token: i64, ident: Identity) -> Outcome<ProcessView> {
     let id = id.to_owned();
-    run!(fx, |tx, cx| ops::confirm(tx, cx, &id, token, ident))
+    run!(fx, |tx, cx| ops::confirm(tx, cx, &id, token, ident, true))
 }
 
 /// Register and confirm a live process; its identity too.
@@ -479,7 +479,7 @@ async fn view_of(fx: &Fixture, id: &str) -> ProcessView {
 }
 
 #[tokio::test]
-async fn an_unconfirmed_record_whose_owner_is_gone_keeps_its_operation_and_ports() {
+async fn an_unconfirmed_record_whose_owner_is_gone_ends_in_its_claim() {
     let mut fx = Fixture::new().await;
     let owner = fx.host.spawn();
     let with_op = |owner: &Identity| Create {
@@ -493,37 +493,22 @@ async fn an_unconfirmed_record_whose_owner_is_gone_keeps_its_operation_and_ports
     let mark = fx.mark().await;
     assert!(claim(&fx, &rec.id).await.is_none(), "nothing to signal");
     let now = view_of(&fx, &rec.id).await;
-    assert_eq!((now.state, now.token), (ProcessState::Orphaned, 2));
     assert_eq!(
-        (now.status, now.status_reason),
-        (
-            Some(Liveness::Unknown),
-            Some(LivenessReason::IdentityUnknown)
-        )
+        (now.state, now.token, now.end_reason.as_deref()),
+        (ProcessState::Stopped, 2, Some("orphan_reconciled"))
     );
-    assert_eq!(now.ports.len(), 1, "its ports are kept: {now:?}");
-    assert_events!(fx, mark, &[("process.orphaned", &rec.id)]);
+    assert_eq!(now.ports.len(), 0, "its ports are freed: {now:?}");
+    assert_eq!(
+        fx.types_after(mark).await,
+        ["process.orphaned", "port.released", "process.stopped"],
+        "one transaction claims it, frees its port and ends it"
+    );
     assert!(claim(&fx, &rec.id).await.is_none(), "claimed once");
-
-    let host_id = fx.host.local().host_id.clone();
-    let c = with_op(&owner);
-    let again = run!(fx, |tx, cx| ops::create(tx, cx, &host_id, c));
-    assert!(
-        matches!(again, Err(ProcError::OperationInProgress(_))),
-        "the operation id stays taken: {again:?}"
-    );
     assert!(matches!(
-        begin_stop(&fx, &rec.id, 1).await,
+        finish(&fx, &rec.id, 1).await,
         Err(ProcError::Fenced(_))
     ));
-    match begin_stop(&fx, &rec.id, 2).await {
-        Ok(StopStart::Done(v)) => assert_eq!(
-            (v.state, v.end_reason.as_deref(), v.ports.len()),
-            (ProcessState::Stopped, Some("stopped_before_start"), 0)
-        ),
-        Ok(StopStart::Signal(_)) => panic!("nothing to signal"),
-        Err(e) => panic!("{e:?}"),
-    }
+
     let host_id = fx.host.local().host_id.clone();
     let c = with_op(&owner);
     let next = run!(fx, |tx, cx| ops::create(tx, cx, &host_id, c));
@@ -531,13 +516,6 @@ async fn an_unconfirmed_record_whose_owner_is_gone_keeps_its_operation_and_ports
         next.is_ok(),
         "the operation id is free once it ended: {next:?}"
     );
-
-    // Its client may end one as well.
-    let other = register(&fx, kept(None)).await;
-    fx.now += TTL;
-    assert!(claim(&fx, &other.id).await.is_none());
-    let done = finish(&fx, &other.id, 2).await.expect("finished");
-    assert_eq!(done.state, ProcessState::Failed);
 }
 
 #[tokio::test]
@@ -651,7 +629,13 @@ async fn stop_refuses_a_remote_process_and_ends_a_starting_one_unsignalled() {
         .expect("confirmed");
     let remote = begin_stop(&fx, &rec.id, 1).await;
     assert!(matches!(remote, Err(ProcError::RemoteProcess(_))));
-    assert_eq!(fx.process(&rec.id).await.state, ProcessState::Running);
+    let finished = finish(&fx, &rec.id, 1).await;
+    assert!(
+        matches!(finished, Err(ProcError::RemoteProcess(_))),
+        "finish leaves a remote process to its host: {finished:?}"
+    );
+    let now = fx.process(&rec.id).await;
+    assert_eq!((now.state, now.token), (ProcessState::Running, 1));
 
     let starting = register(&fx, create_cmd()).await;
     match begin_stop(&fx, &starting.id, 1).await {

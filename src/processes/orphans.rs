@@ -127,7 +127,7 @@ impl Processes {
         let id = rec.id.clone();
         if let Some(leader) = found.first().filter(|i| i.pgid == Some(i.pid)) {
             let (sid, ident) = (id.clone(), leader.clone());
-            if in_tx!(self, true, |tx, cx| ops::started(tx, cx, &sid, ident))?.is_ok() {
+            if in_tx!(self, true, |tx, cx| ops::started(tx, cx, &sid, ident, true))?.is_ok() {
                 tracing::info!(process = %id, pid = leader.pid, "adopted a child spawned before the restart");
                 if let Some(now) = self.store.backend().get_process(&id).await? {
                     self.watch(&now);
@@ -202,9 +202,17 @@ impl Processes {
                 }
                 continue;
             }
-            let orphan = if rec.state == ProcessState::Orphaned {
-                // One claimed before it was confirmed is kept (`ops::claim`).
-                rec.identity.is_some().then_some(rec)
+            let orphan = if rec.state == ProcessState::Orphaned && rec.identity.is_none() {
+                // Claimed before it was confirmed by a version that kept
+                // such records: nothing to stop, so it ends now.
+                let (id, token) = (rec.id.clone(), rec.token);
+                let settled = Stopped::Settled(Exit::default());
+                in_tx!(self, true, |tx, cx| ops::end_orphan(
+                    tx, cx, &id, token, settled, false
+                ))?;
+                None
+            } else if rec.state == ProcessState::Orphaned {
+                Some(rec)
             } else {
                 match self.claimable(&rec).await? {
                     Verdict::Claim => {

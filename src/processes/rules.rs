@@ -68,6 +68,7 @@ mod tests {
             lease: None,
             host_id: "h".into(),
             identity: None,
+            signal_group: false,
             owner: None,
             spawned: true,
             command: None,

@@ -239,11 +239,11 @@ pub trait Backend: Send + Sync + 'static {
     /// The current reservations of all of `owner_ids` in one query, by owner then name.
     fn owner_ports<'a>(&'a self, owner_ids: &'a [String])
     -> BoxFuture<'a, Result<Vec<PortRecord>>>;
-    /// Current reservations, lowest port first, after `after_port`.
+    /// Current reservations, newest first (by id), those before `before_id`.
     fn list_ports<'a>(
         &'a self,
         host_id: Option<&'a str>,
-        after_port: u16,
+        before_id: Option<&'a str>,
         limit: u32,
     ) -> BoxFuture<'a, Result<Vec<PortRecord>>>;
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>>;

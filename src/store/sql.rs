@@ -45,11 +45,11 @@ fn select_by_state(cols: &str, table: &str, current: &str, state: StateFilter) -
 
 /// Append ` AND <clause>` for each filter that has a value, `?N` in a clause
 /// standing for that value's parameter. Returns the values, in order.
-fn push_filters<'a>(sql: &mut String, filters: &[(&'a Option<String>, &str)]) -> Vec<&'a str> {
+fn push_filters<'a>(sql: &mut String, filters: &[(Option<&'a str>, &str)]) -> Vec<&'a str> {
     let mut args = Vec::new();
     for (value, clause) in filters {
-        if let Some(v) = value {
-            args.push(v.as_str());
+        if let Some(v) = *value {
+            args.push(v);
             sql.push_str(" AND ");
             sql.push_str(&clause.replace("?N", &format!("${}", args.len())));
         }
@@ -77,12 +77,12 @@ pub fn list_leases(f: &LeaseFilter) -> Page<'_> {
     let args = push_filters(
         &mut sql,
         &[
-            (&f.resource, "resource = ?N"),
+            (f.resource.as_deref(), "resource = ?N"),
             // substr, not LIKE: the prefix matches literally, `%` and `_` included.
-            (&f.prefix, "substr(resource, 1, length(?N)) = ?N"),
-            (&f.holder, "holder = ?N"),
-            (&f.parent, "parent_id = ?N"),
-            (&f.before_id, "id < ?N"),
+            (f.prefix.as_deref(), "substr(resource, 1, length(?N)) = ?N"),
+            (f.holder.as_deref(), "holder = ?N"),
+            (f.parent.as_deref(), "parent_id = ?N"),
+            (f.before_id.as_deref(), "id < ?N"),
         ],
     );
     sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
@@ -95,13 +95,31 @@ pub fn list_processes(f: &ProcessFilter) -> Page<'_> {
     let args = push_filters(
         &mut sql,
         &[
-            (&f.kind, "kind = ?N"),
-            (&f.operation_id, "operation_id = ?N"),
-            (&f.lease, "lease_id = ?N"),
-            (&f.before_id, "id < ?N"),
+            (f.kind.as_deref(), "kind = ?N"),
+            (f.operation_id.as_deref(), "operation_id = ?N"),
+            (f.lease.as_deref(), "lease_id = ?N"),
+            (f.before_id.as_deref(), "id < ?N"),
         ],
     );
     sql.push_str(&format!(" ORDER BY id DESC LIMIT {}", f.limit));
+    Page { sql, args }
+}
+
+/// A page of `list_ports`, as `list_leases`.
+pub fn list_ports<'a>(
+    host_id: Option<&'a str>,
+    before_id: Option<&'a str>,
+    limit: u32,
+) -> Page<'a> {
+    let mut sql = format!(
+        "SELECT {} FROM ports WHERE released_at IS NULL",
+        port_cols!()
+    );
+    let args = push_filters(
+        &mut sql,
+        &[(host_id, "host_id = ?N"), (before_id, "id < ?N")],
+    );
+    sql.push_str(&format!(" ORDER BY id DESC LIMIT {limit}"));
     Page { sql, args }
 }
 

@@ -175,10 +175,10 @@ impl<D: Db> Backend for SqlStore<D> {
     fn list_ports<'a>(
         &'a self,
         host_id: Option<&'a str>,
-        after_port: u16,
+        before_id: Option<&'a str>,
         limit: u32,
     ) -> BoxFuture<'a, Result<Vec<PortRecord>>> {
-        read!(self, |c| rows::list_ports(c, host_id, after_port, limit))
+        read!(self, |c| rows::list_ports(c, host_id, before_id, limit))
     }
 
     fn events(&self, after: i64, limit: u32) -> BoxFuture<'_, Result<Vec<EventRow>>> {

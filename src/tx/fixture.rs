@@ -102,6 +102,12 @@ impl Fixture {
     pub async fn kinds_after(&self, mark: i64) -> Vec<(String, String)> {
         self.events_after(mark).await.iter().map(kind).collect()
     }
+
+    /// The types of the events after `mark`.
+    pub async fn types_after(&self, mark: i64) -> Vec<String> {
+        let kinds = self.kinds_after(mark).await;
+        kinds.into_iter().map(|(t, _)| t).collect()
+    }
 }
 
 /// An event as (type, id of its lease or process or port).

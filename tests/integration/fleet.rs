@@ -123,6 +123,16 @@ async fn a_host_never_signals_another_hosts_process_and_claims_only_its_own() {
             "{}",
             r.body
         );
+        let r = b
+            .process_op(&id(&p), "finish", json!({"token": 1, "state": "failed"}))
+            .await;
+        assert_eq!(
+            (r.status, r.code()),
+            (StatusCode::CONFLICT, "remote_process"),
+            "B cannot tell that it ended: {}",
+            r.body
+        );
+        assert_eq!(a.process(&id(&p)).await["state"], "running");
         assert!(alive(pid));
 
         // The lease ends on host B: host A, told through the database,

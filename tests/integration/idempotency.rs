@@ -187,6 +187,19 @@ async fn a_key_used_for_another_request_or_malformed_is_422() {
     let body = json!({"resource": "idem/b", "holder": "h", "ttl_ms": 60000});
     let first = s.post_keyed("/v1/leases", "k", body).await;
     assert_eq!(first.status, StatusCode::CREATED);
+    // The same JSON built again: members in another order, other spacing.
+    let rebuilt = s
+        .client
+        .post(s.url("/v1/leases"))
+        .header("idempotency-key", "k")
+        .header("content-type", "application/json")
+        .body(r#"{ "ttl_ms": 60000,  "holder": "h", "resource": "idem/b" }"#)
+        .send()
+        .await
+        .expect("POST");
+    let rebuilt = Server::reply(rebuilt).await;
+    assert!(replayed(&rebuilt), "{}", rebuilt.body);
+    assert_eq!(rebuilt.body, first.body);
     let other_body = s
         .post_keyed(
             "/v1/leases",

@@ -112,23 +112,7 @@ impl Drop for Group {
 async fn a_group_guard_kills_its_group_and_not_a_later_one_of_its_id() {
     use std::os::unix::process::ExitStatusExt;
     use std::time::Duration;
-    // A leader with a member: the shell and the sleep it waits for.
-    let mut leader = tokio::process::Command::new("sh")
-        .args(["-c", "sleep 600 & wait"])
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn sh");
-    let pid = i32::try_from(leader.id().expect("running")).expect("pid");
-    let mut member = None;
-    crate::support::until(Duration::from_secs(10), || {
-        member = crate::support::group_members(i64::from(pid))
-            .into_iter()
-            .find(|m| *m != i64::from(pid));
-        member.is_some()
-    })
-    .await;
-    let member = crate::support::Seen::now(member.expect("the shell's sleep joined its group"));
+    let (mut leader, pid, member) = crate::support::shell_with_a_member().await;
     let guard = Group::new(pid);
     // A guard made for an earlier group of the same id, in the same
     // session, whose leader ended and left the id to this one.

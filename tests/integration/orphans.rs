@@ -258,8 +258,8 @@ async fn a_reader_of_a_cut_spawn_s_log_is_neither_adopted_nor_killed() {
     reader.wait().expect("wait");
 }
 
-stores!(an_unconfirmed_registration_outlives_its_lease_until_it_is_ended);
-async fn an_unconfirmed_registration_outlives_its_lease_until_it_is_ended() {
+stores!(an_unconfirmed_registration_ends_with_its_lease);
+async fn an_unconfirmed_registration_ends_with_its_lease() {
     let s = Server::start().await;
     let lease = s.acquire_ok("reg/owner", "h").await;
     let lease_id = lease["id"].as_str().expect("id");
@@ -270,37 +270,36 @@ async fn an_unconfirmed_registration_outlives_its_lease_until_it_is_ended() {
         )
         .await;
     assert_eq!(reg["state"], "starting");
+    let port = reg["ports"]["http"].as_u64().expect("a port");
     s.lease_op(lease_id, "release", json!({"token": 1})).await;
     let path = format!("/v1/processes/{}", id(&reg));
-    let kept = s
-        .eventually(&path, Duration::from_secs(5), |v| v["state"] == "orphaned")
+    let ended = s
+        .eventually(&path, Duration::from_secs(5), |v| v["state"] == "stopped")
         .await;
     assert_eq!(
-        (
-            kept["status"].as_str(),
-            kept["status_reason"].as_str(),
-            kept["token"].as_i64()
-        ),
-        (Some("unknown"), Some("identity_unknown"), Some(2))
+        (ended["end_reason"].as_str(), ended["token"].as_i64()),
+        (Some("orphan_reconciled"), Some(2)),
+        "{ended}"
     );
-    assert_eq!(kept["ports"], reg["ports"], "its ports are kept");
-    let again = s
-        .post(
-            "/v1/processes",
-            json!({"kind": "job", "operation_id": "op-reg"}),
-        )
-        .await;
-    assert_eq!(again.code(), "operation_in_progress");
-    // Passes of the reconciler (every 100 ms here) leave it as it is.
-    let events = s.all_events().await.len();
-    s.reconciler_passes(3).await;
-    assert_eq!(s.process(&id(&reg)).await["state"], "orphaned");
-    assert_eq!(s.all_events().await.len(), events);
-
-    let done = s
-        .process_op(&id(&reg), "finish", json!({"token": 2, "state": "failed"}))
-        .await;
-    assert_eq!(done.body["state"], "failed", "{}", done.body);
+    let types: Vec<_> = s
+        .all_events()
+        .await
+        .into_iter()
+        .filter(|e| e["process"]["id"] == reg["id"] || e["port"]["port"] == port)
+        .map(|e| e["type"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "process.registered",
+            "port.reserved",
+            "process.orphaned",
+            "port.released",
+            "process.stopped"
+        ]
+    );
+    let ports = s.get("/v1/ports").await;
+    assert_eq!(ports.body["items"], json!([]), "its port is free");
     let next = s
         .post(
             "/v1/processes",

@@ -185,3 +185,41 @@ async fn release_needs_the_owners_token_and_a_full_range_is_exhausted() {
         .collect();
     assert_eq!(kinds, ["lease.acquired", "port.reserved", "port.released"]);
 }
+
+stores!(ports_are_listed_newest_first_a_page_at_a_time);
+async fn ports_are_listed_newest_first_a_page_at_a_time() {
+    let s = Server::start().await;
+    let lease = s.acquire_ok("ports/list", "h").await;
+    let owner = json!({"lease": {"id": lease["id"], "token": 1}});
+    let mut made = Vec::new();
+    // Ports given out against their order of reservation: lowest last.
+    for low in [31230, 31220, 31210] {
+        let r = s
+            .post(
+                "/v1/ports",
+                json!({"names": ["http"], "owner": owner, "range": [low, low + 5]}),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        made.push(r.body["reservations"][0]["id"].clone());
+    }
+    made.reverse();
+    let first = s.get("/v1/ports?limit=2").await.body;
+    let ids = |page: &Value| -> Vec<Value> {
+        let items = page["items"].as_array().expect("items");
+        items.iter().map(|p| p["id"].clone()).collect()
+    };
+    assert_eq!(ids(&first), made[..2], "newest first: {first}");
+    let cursor = first["next_cursor"].as_str().expect("a next page");
+    let rest = s
+        .get(&format!("/v1/ports?limit=2&cursor={cursor}"))
+        .await
+        .body;
+    assert_eq!(ids(&rest), made[2..]);
+    assert_eq!(rest["next_cursor"], Value::Null);
+    let bad = s.get("/v1/ports?cursor=31230").await;
+    assert_eq!(
+        (bad.status, bad.body["field"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("cursor"))
+    );
+}

@@ -393,6 +393,35 @@ async fn register_confirm_and_stop_a_process_the_client_started() {
     );
 }
 
+stores!(a_leader_confirmed_without_its_group_is_stopped_alone);
+async fn a_leader_confirmed_without_its_group_is_stopped_alone() {
+    let s = Server::start().await;
+    for with_group in [false, true] {
+        let (mut leader, pid, member) = crate::support::shell_with_a_member().await;
+        let r = s.post("/v1/processes", json!({"kind": "worker"})).await;
+        let confirmed = s
+            .process_op(
+                &id(&r.body),
+                "confirm",
+                json!({"token": 1, "pid": pid, "process_group": with_group}),
+            )
+            .await;
+        assert_eq!(confirmed.status, StatusCode::OK, "{}", confirmed.body);
+        assert_eq!(
+            (&confirmed.body["identity"]["pgid"], &confirmed.body["pgid"]),
+            (&json!(pid), &json!(with_group.then_some(pid))),
+            "the identity says the group it is in; pgid, the group a stop signals"
+        );
+        let stop = s
+            .process_op(&id(&r.body), "stop", json!({"token": 1, "grace_ms": 2000}))
+            .await;
+        assert_eq!(stop.body["state"], "stopped", "{}", stop.body);
+        assert_eq!(member.runs(), !with_group, "process_group: {with_group}");
+        member.kill();
+        leader.wait().await.expect("reap the shell");
+    }
+}
+
 stores!(finish_reports_a_client_run_process_and_is_idempotent);
 async fn finish_reports_a_client_run_process_and_is_idempotent() {
     let s = Server::start().await;

@@ -199,6 +199,7 @@ fn process(id: &str, host: &str, operation: Option<&str>) -> ProcessRecord {
         lease: None,
         host_id: host.into(),
         identity: None,
+        signal_group: false,
         owner: None,
         spawned: false,
         command: None,
@@ -224,6 +225,7 @@ fn full_process(id: &str) -> ProcessRecord {
             token: 11,
         }),
         identity: Some(identity(77)),
+        signal_group: false,
         owner: Some(identity(78)),
         spawned: true,
         command: Some(Command {
@@ -1389,25 +1391,28 @@ async fn ports_one_current_reservation_per_host_and_port() {
     );
     assert!(b.owner_ports(&[]).await.expect("no owners").is_empty());
 
-    let list = async |host: Option<&str>, after: u16, limit: u32| {
-        let got = b.list_ports(host, after, limit).await.expect("list ports");
+    let list = async |host: Option<&str>, before: Option<&str>, limit: u32| {
+        let got = b.list_ports(host, before, limit).await.expect("list ports");
         ids(&got, |p| &p.id)
     };
     assert_eq!(
-        list(None, 0, 10).await,
-        ["port-3", "port-1", "port-4", "port-2"],
-        "by port, then host"
+        list(None, None, 10).await,
+        ["port-4", "port-3", "port-2", "port-1"],
+        "newest first, by id"
     );
     assert_eq!(
-        list(Some("host-a"), 0, 10).await,
-        ["port-3", "port-1", "port-2"]
+        list(Some("host-a"), None, 10).await,
+        ["port-3", "port-2", "port-1"]
     );
     assert_eq!(
-        list(None, 5432, 2).await,
-        ["port-1", "port-4"],
-        "after a port, up to the limit"
+        list(None, Some("port-4"), 2).await,
+        ["port-3", "port-2"],
+        "before an id, up to the limit"
     );
-    assert_eq!(list(Some("host-b"), 8080, 10).await, Vec::<String>::new());
+    assert_eq!(
+        list(Some("host-b"), Some("port-4"), 10).await,
+        Vec::<String>::new()
+    );
 
     // Released, a port is free for another reservation; releasing again,
     // or an unknown id, changes nothing.
@@ -1438,7 +1443,11 @@ async fn ports_one_current_reservation_per_host_and_port() {
     insert_port(&s.store, again.clone())
         .await
         .expect("the port is free again");
-    assert_eq!(list(Some("host-a"), 5432, 1).await, ["port-6"]);
+    assert_eq!(
+        list(Some("host-a"), None, 10).await,
+        ["port-6", "port-3", "port-2"],
+        "a released port is not listed"
+    );
     s.close().await;
 }
 
@@ -1636,7 +1645,7 @@ async fn retention_deletes_records_ended_before_the_cutoff_and_nothing_current()
             "{kept} kept"
         );
     }
-    let ports = b.list_ports(Some("host-a"), 0, 10).await.expect("ports");
+    let ports = b.list_ports(Some("host-a"), None, 10).await.expect("ports");
     assert_eq!(ids(&ports, |p| &p.id), [held_port], "a current one stays");
     // Tokens go on from where the deleted lease's left them.
     assert_eq!(next_token(&s.store, "r/a").await, 2);

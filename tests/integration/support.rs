@@ -176,7 +176,7 @@ impl Server {
         format!("{}{path}", self.base)
     }
 
-    async fn reply(res: reqwest::Response) -> Reply {
+    pub async fn reply(res: reqwest::Response) -> Reply {
         let status = res.status();
         let headers = res.headers().clone();
         let text = res.text().await.expect("body");
@@ -580,6 +580,29 @@ pub fn group_members(pgid: i64) -> Vec<i64> {
                 && alive(pid)
         })
         .collect()
+}
+
+/// A shell leading a process group of its own, and the sleep it waits for
+/// in that group: the shell's pid and the sleep. The shell dies on SIGTERM;
+/// the sleep only when its group is signalled or it is killed.
+pub async fn shell_with_a_member() -> (tokio::process::Child, i32, Seen) {
+    let leader = tokio::process::Command::new("sh")
+        .args(["-c", "sleep 600 & wait"])
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn sh");
+    let pid = i32::try_from(leader.id().expect("running")).expect("pid");
+    let mut member = None;
+    until(Duration::from_secs(10), || {
+        member = group_members(i64::from(pid))
+            .into_iter()
+            .find(|m| *m != i64::from(pid));
+        member.is_some()
+    })
+    .await;
+    let member = member.expect("the shell's sleep joined its group");
+    (leader, pid, Seen::now(member))
 }
 
 /// Wait until `pred` holds, checking every few ms (for kernel state, which

@@ -114,29 +114,14 @@ pub async fn release_port<E: Exec + ?Sized>(c: &mut E, id: &str, at: Millis) -> 
     c.execute(s.int(at).text(id)).await
 }
 
+/// Current reservations are few (at most one per port and host), so they
+/// are sorted by id as they are read, without an index of their own.
 pub async fn list_ports<E: Exec + ?Sized>(
     c: &mut E,
     host_id: Option<&str>,
-    after_port: u16,
+    before_id: Option<&str>,
     limit: u32,
 ) -> Result<Vec<PortRecord>> {
-    const ALL: &str = concat!(
-        "SELECT ",
-        port_cols!(),
-        " FROM ports WHERE released_at IS NULL AND port > $1 ORDER BY port, host_id LIMIT $2"
-    );
-    const ONE_HOST: &str = concat!(
-        "SELECT ",
-        port_cols!(),
-        " FROM ports WHERE released_at IS NULL AND port > $1 AND host_id = $3 \
-         ORDER BY port, host_id LIMIT $2"
-    );
-    let s = Stmt::new(if host_id.is_some() { ONE_HOST } else { ALL })
-        .int(i64::from(after_port))
-        .int(i64::from(limit));
-    let s = match host_id {
-        Some(h) => s.text(h),
-        None => s,
-    };
-    ports(c, s).await
+    let page = sql::list_ports(host_id, before_id, limit);
+    ports(c, page.stmt()).await
 }

@@ -1,6 +1,8 @@
 //! Managed processes.
 
-use crate::model::{Exit, Logs, ProcessFilter, ProcessRecord, ProcessState, TokenRef};
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Exit, Identity, Logs, ProcessFilter, ProcessRecord, ProcessState, TokenRef};
 use crate::store::Result;
 use crate::store::db::{Cols, Exec, Stmt, decode_err, from_json, to_json};
 use crate::store::sql::{self, process_cols, process_current};
@@ -9,6 +11,30 @@ fn small(what: &str, v: Option<i64>) -> Result<Option<i32>> {
     v.map(i32::try_from)
         .transpose()
         .map_err(|e| decode_err(what, e))
+}
+
+/// The `identity` column: the identity as read, and, only when it is so,
+/// that the group the process leads is not signalled (confirmed without
+/// `process_group`). Rows written before the flag have no such key: their
+/// identity then held no group that was not to be signalled.
+#[derive(Serialize, Deserialize)]
+struct StoredIdentity<I> {
+    #[serde(flatten)]
+    identity: I,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    group_not_signalled: bool,
+}
+
+fn identity_json(p: &ProcessRecord) -> Result<Option<String>> {
+    p.identity
+        .as_ref()
+        .map(|identity| {
+            to_json(&StoredIdentity {
+                identity,
+                group_not_signalled: !p.signal_group,
+            })
+        })
+        .transpose()
 }
 
 fn process_row(r: &impl Cols) -> Result<ProcessRecord> {
@@ -21,6 +47,11 @@ fn process_row(r: &impl Cols) -> Result<ProcessRecord> {
         _ => None,
     };
     let state = r.text(2)?;
+    let stored: Option<StoredIdentity<Identity>> = from_json("identity", r.opt_text(8)?)?;
+    let (identity, signal_group) = match stored {
+        Some(s) => (Some(s.identity), !s.group_not_signalled),
+        None => (None, false),
+    };
     Ok(ProcessRecord {
         id: r.text(0)?,
         kind: r.text(1)?,
@@ -29,7 +60,8 @@ fn process_row(r: &impl Cols) -> Result<ProcessRecord> {
         operation_id: r.opt_text(4)?,
         lease,
         host_id: r.text(7)?,
-        identity: from_json("identity", r.opt_text(8)?)?,
+        identity,
+        signal_group,
         owner: from_json("owner", r.opt_text(9)?)?,
         spawned: r.flag(10)?,
         command: from_json("command", r.opt_text(11)?)?,
@@ -86,7 +118,7 @@ pub async fn insert_process<E: Exec + ?Sized>(c: &mut E, p: &ProcessRecord) -> R
         .opt_text(p.lease.as_ref().map(|l| l.id.as_str()))
         .opt_int(p.lease.as_ref().map(|l| l.token))
         .text(&p.host_id)
-        .owned(p.identity.as_ref().map(to_json).transpose()?)
+        .owned(identity_json(p)?)
         .owned(p.owner.as_ref().map(to_json).transpose()?)
         .flag(p.spawned)
         .owned(p.command.as_ref().map(to_json).transpose()?)
@@ -112,7 +144,7 @@ pub async fn update_process<E: Exec + ?Sized>(c: &mut E, p: &ProcessRecord) -> R
     )
     .text(p.state.as_str())
     .int(p.token)
-    .owned(p.identity.as_ref().map(to_json).transpose()?)
+    .owned(identity_json(p)?)
     .owned(p.owner.as_ref().map(to_json).transpose()?)
     .opt_int(p.exit.code.map(i64::from))
     .opt_int(p.exit.signal.map(i64::from))
