@@ -27,8 +27,10 @@ pub enum CurrentRecord {
 /// RFC 9457 problem details. Extensions depend on `code`: `field` for
 /// `validation` and `process_not_found`, `holder` for `lease_held` /
 /// `owner_remote` / `owner_unverifiable`, `current` for `fenced`,
-/// `not_reserved`, `process_alive`, `identity_mismatch`, `remote_process`
-/// and `process_tree_not_settled`, `parent` for `parent_fenced`, `process`
+/// `not_reserved`, `process_alive`, `remote_process`,
+/// `process_tree_not_settled` and the `identity_mismatch` of a stop (that
+/// of a confirm or an acquire, refused before anything is recorded, has
+/// none), `parent` for `parent_fenced`, `process`
 /// for `operation_in_progress`, `oldest_seq` for `events_pruned`.
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 #[allow(dead_code)] // documents the body, which `problem()` builds as JSON

@@ -140,6 +140,7 @@ pub struct ListQuery {
     pub prefix: Option<String>,
     pub holder: Option<String>,
     /// Id of the parent lease.
+    #[param(format = "uuid")]
     pub parent: Option<String>,
     /// `current` (default), `ended` or `all`.
     pub state: Option<StateFilter>,
@@ -290,7 +291,7 @@ async fn list_leases(
         resource: q.resource,
         prefix: q.prefix,
         holder: q.holder,
-        parent: q.parent,
+        parent: validate::id_filter("parent", q.parent)?,
         state: q.state.unwrap_or_default(),
         limit: page.fetch,
         before_id: page.after,

@@ -184,6 +184,7 @@ pub struct ListQuery {
     pub kind: Option<String>,
     pub operation_id: Option<String>,
     /// Id of the owning lease.
+    #[param(format = "uuid")]
     pub lease: Option<String>,
     #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
@@ -335,7 +336,7 @@ async fn list_processes(
         state: q.state.unwrap_or_default(),
         kind: q.kind,
         operation_id: q.operation_id,
-        lease: q.lease,
+        lease: validate::id_filter("lease", q.lease)?,
         limit: page.fetch,
         before_id: page.after,
     };

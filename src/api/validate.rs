@@ -75,6 +75,18 @@ pub fn id(kind: &str, value: &str) -> Result<String, ApiError> {
     uuid(value).ok_or_else(|| ApiError::NotFound(format!("no {kind} with id {value:?}")))
 }
 
+/// A list filter on an id: as ids are stored, or `422` on `field` when it
+/// is no id at all (a filter that could match nothing is a mistake).
+pub fn id_filter(field: &str, value: Option<String>) -> Result<Option<String>, ApiError> {
+    value
+        .map(|v| {
+            uuid(&v).ok_or_else(|| {
+                ApiError::validation(field, format!("{field} must be an id (a UUID), not {v:?}"))
+            })
+        })
+        .transpose()
+}
+
 /// `value` as ids are stored (a hyphenated UUID), if it is a UUID.
 pub fn uuid(value: &str) -> Option<String> {
     uuid::Uuid::parse_str(value)

@@ -564,3 +564,32 @@ async fn log_reads_far_past_the_end_and_repeated_parameters_are_answered_plainly
         .await;
     assert_eq!(stop.status, StatusCode::OK);
 }
+
+stores!(a_list_filtered_by_an_id_that_is_none_is_422_and_any_spelling_of_one_matches);
+async fn a_list_filtered_by_an_id_that_is_none_is_422_and_any_spelling_of_one_matches() {
+    let s = Server::start().await;
+    let parent = s.acquire_ok("filter/parent", "h").await;
+    let child = s
+        .acquire(
+            json!({"resource": "filter/child", "holder": "h", "ttl_ms": 30000,
+                        "parent": {"id": parent["id"], "token": 1}}),
+        )
+        .await;
+    assert_eq!(child.status, StatusCode::CREATED, "{}", child.body);
+    for (path, field) in [
+        ("/v1/leases?parent=notauuid", "parent"),
+        ("/v1/processes?lease=notauuid", "lease"),
+        ("/v1/leases?cursor=notauuid", "cursor"),
+    ] {
+        let r = s.get(path).await;
+        assert_eq!(
+            (r.status, r.body["field"].as_str()),
+            (StatusCode::UNPROCESSABLE_ENTITY, Some(field)),
+            "{path}: {}",
+            r.body
+        );
+    }
+    let upper = parent["id"].as_str().expect("id").to_uppercase();
+    let r = s.get(&format!("/v1/leases?parent={upper}")).await;
+    assert_eq!(r.body["items"][0]["id"], child.body["id"], "{}", r.body);
+}
