@@ -4,7 +4,19 @@
 
 use std::time::Duration;
 
+/// A value that begins with `-` reaches this parser (`allow_hyphen_values`)
+/// so that `--ttl -5s` is refused as a duration, not as an unknown flag.
 pub fn parse(s: &str) -> Result<Duration, String> {
+    if s.starts_with("--") {
+        return Err(format!(
+            "{s:?} is not a duration: give the flag a value first"
+        ));
+    }
+    if s.starts_with('-') {
+        return Err(format!(
+            "{s:?} is not a duration: a duration cannot be negative"
+        ));
+    }
     let bad = || format!("{s:?} is not a duration: write 250ms, 30s, 5m, 1h or milliseconds");
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);

@@ -28,6 +28,8 @@ pub struct CliError {
     pub exit: u8,
     /// The problem the API answered, for callers that look into it.
     pub problem: Option<Box<Problem>>,
+    /// That problem as the API wrote it, which `--json` prints.
+    pub answer: Option<String>,
     /// Nothing to print: the reader of stdout went away (`| head`).
     quiet: bool,
 }
@@ -39,6 +41,7 @@ impl CliError {
             detail: detail.into(),
             exit,
             problem: None,
+            answer: None,
             quiet: false,
         }
     }
@@ -87,6 +90,7 @@ impl CliError {
                 },
                 exit: exit(problem.code.as_str()),
                 problem: Some(Box::new(problem)),
+                answer: Some(String::from_utf8_lossy(body).into_owned()),
                 quiet: false,
             };
         }
@@ -94,7 +98,9 @@ impl CliError {
         match serde_json::from_slice::<serde_json::Value>(body) {
             Ok(v) if v["code"].is_string() => {
                 let code = v["code"].as_str().unwrap_or_default();
-                Self::new(code, v["detail"].as_str().unwrap_or_default(), exit(code))
+                let mut e = Self::new(code, v["detail"].as_str().unwrap_or_default(), exit(code));
+                e.answer = Some(String::from_utf8_lossy(body).into_owned());
+                e
             }
             _ => {
                 let text = String::from_utf8_lossy(body);
@@ -107,6 +113,20 @@ impl CliError {
                 Self::new(&format!("http_{status}"), detail, exit(""))
             }
         }
+    }
+
+    /// A refusal of `field`, which this command took from `flag` rather
+    /// than from the flag `flag_of` names (`run --lease` is an acquire's
+    /// `resource`).
+    pub fn field_from_flag(mut self, field: &str, flag: &str) -> Self {
+        if let Some(p) = self
+            .problem
+            .as_ref()
+            .filter(|p| p.field.as_deref() == Some(field))
+        {
+            self.detail = format!("{} ({flag})", p.detail);
+        }
+        self
     }
 
     pub fn is(&self, code: &str) -> bool {
@@ -124,8 +144,19 @@ impl CliError {
 
 /// The flag (or argument) a member of a request body came from, for a
 /// refusal that names the member: `ttl_ms must be between 1000 and
-/// 86400000 (--ttl)`, where `--ttl 250ms` was typed.
+/// 86400000 (--ttl)`, where `--ttl 250ms` was typed. A member of a list
+/// or map (`names.1`, `command.env.PATH`) came from its list's flag.
 fn flag_of(field: &str) -> Option<&'static str> {
+    let mut at = field;
+    loop {
+        if let Some(flag) = flag_of_member(at) {
+            return Some(flag);
+        }
+        at = &at[..at.rfind('.')?];
+    }
+}
+
+fn flag_of_member(field: &str) -> Option<&'static str> {
     Some(match field {
         "ttl_ms" => "--ttl",
         "wait_ms" => "--wait",

@@ -28,7 +28,7 @@ pub enum LeaseCmd {
         #[arg(long, allow_negative_numbers = true)]
         token: i64,
         /// A new TTL, kept for later renewals [default: the lease's own]
-        #[arg(long, value_name = "DUR", value_parser = duration::parse)]
+        #[arg(long, value_name = "DUR", value_parser = duration::parse, allow_hyphen_values = true)]
         ttl: Option<Duration>,
     },
     /// Turn a reserved lease active, bound to a process.
@@ -75,10 +75,10 @@ pub struct AcquireArgs {
     #[arg(long)]
     pub holder: String,
     /// The holder must renew within this [required without --owner-pid]
-    #[arg(long, value_name = "DUR", value_parser = duration::parse)]
+    #[arg(long, value_name = "DUR", value_parser = duration::parse, allow_hyphen_values = true)]
     pub ttl: Option<Duration>,
     /// While the lease is held, wait this long for it to end
-    #[arg(long, value_name = "DUR", value_parser = duration::parse)]
+    #[arg(long, value_name = "DUR", value_parser = duration::parse, allow_hyphen_values = true)]
     pub wait: Option<Duration>,
     /// Bind the lease to this process: it ends when the process does
     #[arg(

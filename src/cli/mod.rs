@@ -24,7 +24,6 @@ use clap::Subcommand;
 
 pub use conn::ConnArgs;
 use error::CliError;
-use error::say;
 
 /// The client commands.
 #[derive(Debug, Subcommand)]
@@ -52,10 +51,17 @@ pub enum ClientCmd {
 /// Run one client command; the process's exit code. Errors are printed
 /// here, as one line.
 pub fn main(conn: &ConnArgs, cmd: ClientCmd) -> u8 {
+    // `run`'s stdout is COMMAND's.
+    let json = conn.json && !matches!(cmd, ClientCmd::Run(_));
     let result = runtime().and_then(|rt| rt.block_on(dispatch(conn, cmd)));
     match result {
         Ok(code) => code,
         Err(e) => {
+            // With --json, a refusal is what the API answered too: a
+            // script reads its `current` or `holder` from stdout.
+            if let Some(answer) = e.answer.as_deref().filter(|_| json) {
+                let _ = table::print_json_text(answer);
+            }
             e.report();
             e.exit
         }
@@ -100,7 +106,7 @@ pub fn healthcheck(conn: &ConnArgs) -> u8 {
     match runtime().and_then(|rt| rt.block_on(check)) {
         Ok(()) => 0,
         Err(e) => {
-            say!("holdfast healthcheck: {}: {}", e.code, e.detail);
+            e.report();
             1
         }
     }

@@ -38,7 +38,7 @@ pub struct SpawnArgs {
     #[arg(long = "port", value_name = "NAME")]
     ports: Vec<String>,
     /// Keep it only while heartbeats come within this; the server stops it when they stop
-    #[arg(long, value_name = "DUR", value_parser = duration::parse)]
+    #[arg(long, value_name = "DUR", value_parser = duration::parse, allow_hyphen_values = true)]
     ttl: Option<Duration>,
     /// At most one current process per operation id: a second spawn with it is refused
     #[arg(long, value_name = "OP")]
@@ -62,7 +62,7 @@ pub struct StopArgs {
     #[arg(long, allow_negative_numbers = true)]
     token: i64,
     /// Between SIGTERM and SIGKILL [default: 5s]
-    #[arg(long, value_name = "DUR", value_parser = duration::parse)]
+    #[arg(long, value_name = "DUR", value_parser = duration::parse, allow_hyphen_values = true)]
     grace: Option<Duration>,
     /// No SIGKILL after the grace period
     #[arg(long)]

@@ -117,6 +117,10 @@ fn live_member(pgid: i32) -> bool {
     })
 }
 
+/// How a refusal names the server's group or session: `holdfast run` tells
+/// such a refusal from the others by it.
+pub const SERVERS_OWN: &str = "the server's own";
+
 /// The server's own pid, process group and session, which it never signals.
 #[derive(Debug, Clone, Copy)]
 pub struct OwnIds {
@@ -155,10 +159,10 @@ impl OwnIds {
             return Some("that is the holdfast server itself".into());
         }
         if ident.pgid == Some(self.pgid) && self.pgid != 0 {
-            return Some("that process is in the server's own process group".into());
+            return Some(format!("that process is in {SERVERS_OWN} process group"));
         }
         if ident.sid == Some(self.sid) && self.sid != 0 {
-            return Some("that process is in the server's own session".into());
+            return Some(format!("that process is in {SERVERS_OWN} session"));
         }
         None
     }

@@ -581,6 +581,20 @@ async fn cli_refusals_and_local_errors_exit_1() {
     let o = out(hf(&s, &format!("lease release {} --token 99", id(&held)))).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "fenced");
+    assert_eq!(o.stdout, "", "a table's stdout has no problem in it");
+    let o = out(hf(
+        &s,
+        &format!("--json lease release {} --token 99", id(&held)),
+    ))
+    .await;
+    assert_eq!(o.code, 1);
+    assert_error_line(&o, "fenced");
+    let answered: Value = serde_json::from_str(&o.stdout).expect("the problem on stdout");
+    assert_eq!(
+        (&answered["code"], &answered["current"]["token"]),
+        (&json!("fenced"), &json!(1)),
+        "{answered}"
+    );
     let o = out(hf(&s, "lease get 01937b4e-5d2a-7c4e-9a1b-2f3c4d5e6f70")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "not_found");
@@ -603,6 +617,34 @@ async fn cli_refusals_and_local_errors_exit_1() {
         assert_error_line(&o, "validation");
         assert!(o.stderr.trim_end().ends_with(flag), "{line}: {}", o.stderr);
     }
+    // A member refused is named by the flag it came from, for the command
+    // that was typed, a list's members too.
+    for args in [
+        &["run", "--lease", "", "--", "true"][..],
+        &["run", "--lease", "r3", "--port", "BAD", "--", "true"],
+        &[
+            "run", "--lease", "r3", "--port", "x", "--port", "x", "--", "true",
+        ],
+        &["spawn", "--kind", "k", "--port", "BAD", "--", "true"],
+    ] {
+        let o = out(at(&s, args)).await;
+        assert_eq!(o.code, 1, "{args:?}: {}", o.stderr);
+        assert_error_line(&o, "validation");
+        let flag = if args[0] == "run" && args[2].is_empty() {
+            "(--lease)"
+        } else {
+            "(--port)"
+        };
+        assert!(
+            o.stderr.trim_end().ends_with(flag),
+            "{args:?}: {}",
+            o.stderr
+        );
+    }
+    // A negative duration is refused as one, not as an unknown flag.
+    let o = out(hf(&s, "lease acquire r4 --holder h --ttl -5s")).await;
+    assert_eq!(o.code, 2, "{}", o.stderr);
+    assert!(o.stderr.contains("cannot be negative"), "{}", o.stderr);
     let o = out(hf(&s, "lease list --token-file /nonexistent/token")).await;
     assert_eq!(o.code, 1);
     assert_error_line(&o, "local");
@@ -688,7 +730,7 @@ async fn cli_healthcheck_follows_holdfast_listen() {
         "a health check says 1 for unhealthy: {}",
         o.stderr
     );
-    assert!(o.stderr.contains("unreachable"), "{}", o.stderr);
+    assert_error_line(&o, "unreachable");
 }
 
 // ---- processes, logs, events, ports ---------------------------------------
@@ -1395,6 +1437,23 @@ async fn cli_run_over_the_unix_socket_is_owned_by_run_and_never_sees_the_token()
     go(dir);
     let o = finish(run.child).await;
     assert_eq!(o.code, 0, "{}", o.stderr);
+}
+
+#[tokio::test]
+async fn cli_run_against_a_server_in_its_own_session_says_to_start_it_in_another() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    // As `holdfast serve &` in the shell that then calls `holdfast run`.
+    let s = Server::start_under(&["env"], dir, &[]).await;
+    let o = out(run_sh(&s, &["--lease", "job/same-session"], dir, ": > ran")).await;
+    assert_eq!(o.code, 1, "{}", o.stderr);
+    assert_error_line(&o, "forbidden");
+    assert!(
+        o.stderr.contains("session of its own") && !o.stderr.contains("Unix socket"),
+        "it says what to do instead: {}",
+        o.stderr
+    );
+    assert!(!dir.join("ran").exists(), "the command never ran");
 }
 
 #[tokio::test]

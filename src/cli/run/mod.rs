@@ -34,16 +34,16 @@ pub struct RunArgs {
     #[arg(long)]
     holder: Option<String>,
     /// While the lease is held, wait this long for it to end [default: do not wait]
-    #[arg(long, value_name = "DUR", value_parser = duration::parse)]
+    #[arg(long, value_name = "DUR", value_parser = duration::parse, allow_hyphen_values = true)]
     wait: Option<Duration>,
     /// Also give the lease this TTL, renewed every third of it
-    #[arg(long, value_name = "DUR", value_parser = duration::parse)]
+    #[arg(long, value_name = "DUR", value_parser = duration::parse, allow_hyphen_values = true)]
     ttl: Option<Duration>,
     /// Reserve a port for COMMAND as PORT_<NAME> (the first also as PORT); repeatable
     #[arg(long = "port", value_name = "NAME")]
     ports: Vec<String>,
     /// Between SIGTERM and SIGKILL when the lease is lost
-    #[arg(long, value_name = "DUR", value_parser = duration::parse, default_value = "5s")]
+    #[arg(long, value_name = "DUR", value_parser = duration::parse, allow_hyphen_values = true, default_value = "5s")]
     grace: Duration,
     /// Exit code when the lease is held, or lost while COMMAND runs
     #[arg(long, value_name = "N", default_value_t = EXIT_CONFLICT)]
@@ -78,7 +78,8 @@ pub async fn run(a: RunArgs, client: &Client) -> Result<u8, CliError> {
         metadata: a.metadata.clone(),
     };
     let held: LeaseView = lease::acquire(client, &mut req, a.wait, a.conflict_exit_code)
-        .await?
+        .await
+        .map_err(|e| e.field_from_flag("resource", "--lease"))?
         .json()?;
     let ended = under_lease(&a, client, &held).await;
     let released = match &ended {
@@ -217,7 +218,10 @@ async fn release(client: &Client, held: &LeaseView) -> Result<(), CliError> {
 /// A refused confirmation, with what to do about it.
 fn refused(mut e: CliError, client: &Client) -> CliError {
     if e.is("forbidden") {
-        let hint = if client.over_unix_socket() {
+        let hint = if e.detail.contains(holdfast::host::signal::SERVERS_OWN) {
+            "the server was started in this shell's session, and it never signals its own \
+             session: start it in a session of its own (`setsid holdfast serve`, or as a service)"
+        } else if client.over_unix_socket() {
             "over the Unix socket the server confirms only processes of the caller's own uid"
         } else {
             "over TCP with an ordinary token the server confirms only processes of its own uid, \
