@@ -114,15 +114,20 @@ fn origin_allowed(origin: &str, allowed: &[String]) -> bool {
     rest.is_some_and(|r| !r.contains('/') && host_allowed(r, allowed))
 }
 
-/// Whether the request may reach a loopback listener (DNS rebinding guard).
+/// Whether the request may reach a loopback listener (DNS rebinding guard):
+/// one `Host`, allowed, and every `Origin` allowed. Two `Host`s are refused
+/// rather than one of them believed (RFC 9112 answers them 400).
 pub fn loopback_request_allowed(headers: &HeaderMap, allowed: &[String]) -> bool {
-    let host_ok = headers
-        .get(header::HOST)
+    let mut hosts = headers.get_all(header::HOST).iter();
+    let host_ok = hosts
+        .next()
         .and_then(|h| h.to_str().ok())
-        .is_some_and(|h| host_allowed(h, allowed));
+        .is_some_and(|h| host_allowed(h, allowed))
+        && hosts.next().is_none();
     let origin_ok = headers
-        .get(header::ORIGIN)
-        .is_none_or(|o| o.to_str().is_ok_and(|o| origin_allowed(o, allowed)));
+        .get_all(header::ORIGIN)
+        .iter()
+        .all(|o| o.to_str().is_ok_and(|o| origin_allowed(o, allowed)));
     host_ok && origin_ok
 }
 
@@ -145,7 +150,13 @@ pub async fn guard(
     }
     if peer == Peer::Tcp
         && state.access.tcp_loopback
-        && !loopback_request_allowed(req.headers(), &state.access.allowed_hosts)
+        && !(loopback_request_allowed(req.headers(), &state.access.allowed_hosts)
+            // An absolute-form target (`GET http://host/...`) names the
+            // host the request is for, over its `Host` (RFC 9112).
+            && req
+                .uri()
+                .authority()
+                .is_none_or(|a| host_allowed(a.as_str(), &state.access.allowed_hosts)))
     {
         return ApiError::Forbidden(
             "this Host or Origin is not allowed on a loopback listener".into(),
@@ -229,6 +240,25 @@ mod tests {
             &allowed
         ));
         assert!(!loopback_request_allowed(&with_origin("null"), &allowed));
+        let twice = |name: &str, first: &str, second: &str| {
+            let mut h = headers(&[("host", "localhost")]);
+            h.insert(
+                axum::http::HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                first.parse().expect("value"),
+            );
+            h.append(
+                axum::http::HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                second.parse().expect("value"),
+            );
+            h
+        };
+        for h in [
+            twice("host", "localhost", "evil.example"),
+            twice("host", "localhost", "localhost"),
+            twice("origin", "http://localhost", "http://evil.example"),
+        ] {
+            assert!(!loopback_request_allowed(&h, &allowed), "{h:?}");
+        }
     }
 
     #[test]

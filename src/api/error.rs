@@ -443,7 +443,8 @@ impl IntoResponse for ApiError {
     }
 }
 
-pub const BUSY_DETAIL: &str = "the store is busy; retry after the given delay";
+pub const BUSY_DETAIL: &str =
+    "the server is busy (its store, or its caps on waiting requests); retry after the given delay";
 pub const UNAVAILABLE_DETAIL: &str =
     "the store cannot be read or written now (database down, disk full or read-only); retry later";
 

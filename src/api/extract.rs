@@ -23,10 +23,26 @@ fn is_json(content_type: &str) -> bool {
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
+/// `path` as the contract spells a member: dotted, an array's element by
+/// its index (`command.argv.0`, not serde's `command.argv[0]`); "" for the
+/// body itself.
+pub fn dotted(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let parts: Vec<String> = path
+        .iter()
+        .map(|s| match s {
+            Segment::Seq { index } => index.to_string(),
+            Segment::Map { key } => key.clone(),
+            Segment::Enum { variant } => variant.clone(),
+            Segment::Unknown => "?".to_owned(),
+        })
+        .collect();
+    parts.join(".")
+}
+
 /// serde reports a missing or repeated member at its parent's path (and an unknown one
 /// at its own): name the member itself, which is what a client must fix.
 fn member_path(path: &str, message: &str) -> String {
-    let path = if path == "." { "" } else { path };
     let named = ["missing field `", "duplicate field `"]
         .iter()
         .find_map(|p| message.split_once(p));
@@ -44,7 +60,7 @@ fn member_path(path: &str, message: &str) -> String {
 /// Deserialize `value` into `T`, mapping failures to `validation` on the path.
 pub fn from_value<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
+        let path = dotted(e.path());
         let message = e.inner().to_string();
         ApiError::validation(member_path(&path, &message), message)
     })
@@ -92,6 +108,29 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     }
 }
 
+/// A caller with the admin token, or `403 forbidden` before the body is
+/// read: a caller who may not ask learns that first, whatever it sent.
+/// Only `break` needs it.
+pub struct Admin(pub crate::caller::Caller);
+
+impl<S: Send + Sync> FromRequestParts<S> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, ApiError> {
+        let caller = parts
+            .extensions
+            .get::<crate::caller::Caller>()
+            .cloned()
+            .ok_or_else(|| ApiError::Internal("no caller for the request".into()))?;
+        if !caller.admin {
+            return Err(ApiError::Forbidden(
+                "only the admin token may break a lease".into(),
+            ));
+        }
+        Ok(Admin(caller))
+    }
+}
+
 /// Query parameters, strictly parsed (unknown parameters are refused).
 pub struct Params<T>(pub T);
 
@@ -104,7 +143,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Params<T> {
         serde_path_to_error::deserialize(de)
             .map(Params)
             .map_err(|e| {
-                let path = e.path().to_string();
+                let path = dotted(e.path());
                 let message = e.inner().to_string();
                 ApiError::validation(member_path(&path, &message), message)
             })

@@ -15,7 +15,7 @@ use utoipa_axum::routes;
 use super::AppState;
 use super::auth::{Caller, Peer};
 use super::error::{ApiError, Problem};
-use super::extract::{Body, Params};
+use super::extract::{Admin, Body, Params};
 use super::idempotency::answer_in_tx;
 use super::owner::{OwnerSpec, resolve_owner};
 use super::paging;
@@ -393,17 +393,12 @@ async fn release_lease(
 )]
 async fn break_lease(
     State(state): State<AppState>,
-    Extension(caller): Extension<Caller>,
+    Admin(caller): Admin,
     Path(id): Path<String>,
     Body(req): Body<BreakRequest>,
 ) -> Result<Json<LeaseView>, ApiError> {
     let id = validate::id("lease", &id)?;
     validate::text("reason", &req.reason, NAME_MAX)?;
-    if !caller.admin {
-        return Err(ApiError::Forbidden(
-            "only the admin token may break a lease".into(),
-        ));
-    }
     let by = match caller.peer {
         Peer::Unix { uid, pid, .. } => format!(
             "admin (uid {uid}, pid {})",

@@ -73,13 +73,13 @@ impl<'de> Visitor<'de> for StrictVisitor {
 pub fn parse(bytes: &[u8]) -> Result<Value, (Option<String>, String)> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize::<_, Strict>(&mut de).map_err(|e| {
-        let parent = e.path().to_string();
+        let parent = super::extract::dotted(e.path());
         let inner = e.into_inner();
         let message = inner.to_string();
         let dup = inner.classify() == serde_json::error::Category::Data;
         // The error is raised at the object holding the duplicate: name the member.
         let name = message.split('`').nth(1).unwrap_or_default();
-        let path = if parent == "." {
+        let path = if parent.is_empty() {
             name.to_owned()
         } else {
             format!("{parent}.{name}")

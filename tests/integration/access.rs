@@ -86,19 +86,22 @@ async fn tokens_guard_v1_and_metrics_and_only_admin_may_break() {
         "/v1/leases/{}/break",
         lease["id"].as_str().expect("id")
     ));
-    let res = s
-        .client
-        .post(&brk)
-        .bearer_auth("user-secret")
-        .json(&json!({"reason": "x"}))
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(
-        res.status(),
-        StatusCode::FORBIDDEN,
-        "an ordinary token cannot break"
-    );
+    // Whatever the body: a caller who may not break learns that first.
+    for body in [json!({"reason": "x"}), json!({}), json!({"reason": 7})] {
+        let res = s
+            .client
+            .post(&brk)
+            .bearer_auth("user-secret")
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(
+            res.status(),
+            StatusCode::FORBIDDEN,
+            "an ordinary token cannot break, with {body}"
+        );
+    }
     let res = s
         .client
         .post(&brk)
@@ -168,6 +171,23 @@ async fn foreign_host_and_origin_are_refused_on_loopback() {
         .await
         .expect("send");
     assert_eq!(ok.status(), StatusCode::OK);
+    // Requests no browser sends, which must not slip past the check.
+    let addr = s.base.trim_start_matches("http://").to_owned();
+    for head in [
+        "GET /healthz HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n",
+        "GET http://evil.example/healthz HTTP/1.1\r\nHost: localhost\r\n",
+        "GET /healthz HTTP/1.1\r\nHost: localhost\r\nOrigin: http://localhost\r\nOrigin: http://evil.example\r\n",
+    ] {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut conn = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        let request = format!("{head}Connection: close\r\n\r\n");
+        conn.write_all(request.as_bytes()).await.expect("write");
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).await.expect("read");
+        assert!(answer.starts_with("HTTP/1.1 403"), "{head:?}: {answer}");
+    }
 }
 
 stores!(over_the_unix_socket_caller_owns_and_uids_are_enforced);

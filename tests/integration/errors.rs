@@ -593,3 +593,50 @@ async fn a_list_filtered_by_an_id_that_is_none_is_422_and_any_spelling_of_one_ma
     let r = s.get(&format!("/v1/leases?parent={upper}")).await;
     assert_eq!(r.body["items"][0]["id"], child.body["id"], "{}", r.body);
 }
+
+stores!(an_element_of_an_array_is_named_by_its_index_dotted_whatever_is_wrong_with_it);
+async fn an_element_of_an_array_is_named_by_its_index_dotted_whatever_is_wrong_with_it() {
+    let s = Server::start().await;
+    let lease = s.acquire_ok("dotted", "h").await;
+    let owner = json!({"lease": {"id": lease["id"], "token": 1}});
+    for (path, body, field) in [
+        (
+            "/v1/processes",
+            json!({"kind": "k", "command": {"argv": [1]}}),
+            "command.argv.0",
+        ),
+        (
+            "/v1/processes",
+            json!({"kind": "k", "command": {"argv": [""]}}),
+            "command.argv.0",
+        ),
+        (
+            "/v1/processes",
+            json!({"kind": "k", "ports": ["a", 5]}),
+            "ports.1",
+        ),
+        (
+            "/v1/processes",
+            json!({"kind": "k", "ports": ["a", "B"]}),
+            "ports.1",
+        ),
+        (
+            "/v1/ports",
+            json!({"names": ["a", 5], "owner": owner}),
+            "names.1",
+        ),
+        (
+            "/v1/ports",
+            json!({"names": ["a"], "owner": owner, "range": [2000, "x"]}),
+            "range.1",
+        ),
+    ] {
+        let r = s.post(path, body.clone()).await;
+        assert_eq!(
+            (r.status, r.body["field"].as_str()),
+            (StatusCode::UNPROCESSABLE_ENTITY, Some(field)),
+            "{body}: {}",
+            r.body
+        );
+    }
+}
