@@ -169,7 +169,7 @@ mod tests {
         let unknown = "unknown field `bogus`, expected one of `a`";
         assert_eq!(member_path("bogus", unknown), "bogus");
         assert_eq!(member_path("owner.x", "unknown field `x`"), "owner.x");
-        assert_eq!(member_path(".", "missing field `holder`"), "holder");
+        assert_eq!(member_path("", "missing field `holder`"), "holder");
         assert_eq!(
             member_path("parent", "missing field `token`"),
             "parent.token"
