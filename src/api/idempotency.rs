@@ -116,6 +116,18 @@ fn canonical(bytes: &[u8]) -> String {
     }
 }
 
+/// Whether `stored`, a request as a server recorded it, is `now`, as
+/// `guard` gives it: a version before `canonical` recorded the body as
+/// sent, and a retry across the upgrade is the same request still.
+fn same_request(stored: &str, now: &str) -> bool {
+    stored == now
+        || stored.split_once('\n').is_some_and(|(head, body)| {
+            now.strip_prefix(head)
+                .and_then(|rest| rest.strip_prefix('\n'))
+                .is_some_and(|now_body| canonical(body.as_bytes()) == now_body)
+        })
+}
+
 /// The keys of the keyed requests this host is answering, with their
 /// requests' text.
 #[derive(Default)]
@@ -166,7 +178,7 @@ async fn in_flight_elsewhere(state: &AppState, key: &str, request: &str) -> Resp
         .in_flight
         .lock()
         .get(key)
-        .is_some_and(|r| r != request);
+        .is_some_and(|r| !same_request(r, request));
     if other {
         return another_request();
     }
@@ -193,7 +205,7 @@ async fn abandoned(
     let Some(run_id) = first.run_id.as_deref() else {
         return Ok(false);
     };
-    if first.status.is_some() || first.request != request {
+    if first.status.is_some() || !same_request(&first.request, request) {
         return Ok(false);
     }
     Ok(!backend.run_alive(run_id).await?)
@@ -218,7 +230,7 @@ async fn stored(state: &AppState, claim: &Claim, res: Response, conflict: bool) 
     if !first.kept_at(crate::time::now_ms()) {
         return Kept::Answer(res);
     }
-    if first.status.is_some() || first.request != claim.request {
+    if first.status.is_some() || !same_request(&first.request, &claim.request) {
         return Kept::Answer(again(first, &claim.request));
     }
     match (abandoned(backend, &first, &claim.request).await, conflict) {
@@ -234,7 +246,7 @@ fn another_request() -> Response {
 
 /// The answer to a repeat of `first`'s key.
 fn again(first: IdempotentRequest, request: &str) -> Response {
-    if first.request != request {
+    if !same_request(&first.request, request) {
         return another_request();
     }
     let Some(status) = first.status.and_then(|s| StatusCode::from_u16(s).ok()) else {
@@ -360,4 +372,30 @@ fn answer_of(parts: &Parts, body: &[u8]) -> Answer {
         .to_owned();
     let body = String::from_utf8_lossy(body).into_owned();
     (parts.status.as_u16(), content_type, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_recorded_as_sent_by_an_earlier_version_is_the_same_request() {
+        let now = format!(
+            "POST /v1/leases\n{}",
+            canonical(br#"{"resource":"r","holder":"h"}"#)
+        );
+        assert!(same_request(&now, &now));
+        assert!(same_request(
+            "POST /v1/leases\n{ \"resource\": \"r\", \"holder\": \"h\" }",
+            &now
+        ));
+        assert!(!same_request(
+            "POST /v1/leases\n{\"resource\":\"r\",\"holder\":\"x\"}",
+            &now
+        ));
+        assert!(!same_request(
+            "POST /v1/leases?x=1\n{\"resource\":\"r\",\"holder\":\"h\"}",
+            &now
+        ));
+    }
 }

@@ -149,7 +149,9 @@ pub struct ProcessView {
     pub operation_id: Option<String>,
     pub lease: Option<TokenRef>,
     pub pid: Option<i32>,
-    /// The process group signalled on stop: its own, when it leads one.
+    /// The process group a stop signals: a spawned child's own, a confirmed
+    /// process's own only when it leads one and was confirmed with
+    /// `process_group`; null otherwise. `identity.pgid` is the group it is in.
     pub pgid: Option<i32>,
     pub identity: Option<Identity>,
     pub status: Option<Liveness>,

@@ -54,34 +54,12 @@ pub fn kept_unverified(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Exit, LeaseState, LivenessReason, TokenRef};
+    use crate::model::{LeaseState, LivenessReason, TokenRef};
 
     const NOW: Millis = 1_000_000;
 
     fn process(state: ProcessState) -> ProcessRecord {
-        ProcessRecord {
-            id: "p".into(),
-            kind: "job".into(),
-            state,
-            token: 1,
-            operation_id: None,
-            lease: None,
-            host_id: "h".into(),
-            identity: None,
-            signal_group: false,
-            owner: None,
-            spawned: true,
-            command: None,
-            logs: None,
-            exit: Exit::default(),
-            ttl_ms: None,
-            expires_at: None,
-            created_at: 0,
-            started_at: None,
-            ended_at: None,
-            end_reason: None,
-            metadata: Default::default(),
-        }
+        crate::tx::fixture::process_record(state)
     }
 
     fn lease(state: LeaseState, token: i64) -> LeaseRecord {

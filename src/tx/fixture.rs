@@ -13,6 +13,34 @@ use crate::store::{Backend, Store};
 use crate::time::Millis;
 use crate::waiters::Hub;
 
+/// A spawned process record in `state`, with no identity, for tests that
+/// need a record but not a store.
+pub fn process_record(state: crate::model::ProcessState) -> ProcessRecord {
+    ProcessRecord {
+        id: "p".into(),
+        kind: "job".into(),
+        state,
+        token: 1,
+        operation_id: None,
+        lease: None,
+        host_id: "h".into(),
+        identity: None,
+        signal_group: false,
+        owner: None,
+        spawned: true,
+        command: None,
+        logs: None,
+        exit: crate::model::Exit::default(),
+        ttl_ms: None,
+        expires_at: None,
+        created_at: 0,
+        started_at: None,
+        ended_at: None,
+        end_reason: None,
+        metadata: Default::default(),
+    }
+}
+
 /// A current-looking lease record with a 1 s TTL expiring at 1000, for
 /// tests that need one in a store or a cache, not through a script.
 pub fn lease_record(id: &str, resource: &str, state: LeaseState) -> LeaseRecord {

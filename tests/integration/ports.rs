@@ -192,8 +192,9 @@ async fn ports_are_listed_newest_first_a_page_at_a_time() {
     let lease = s.acquire_ok("ports/list", "h").await;
     let owner = json!({"lease": {"id": lease["id"], "token": 1}});
     let mut made = Vec::new();
-    // Ports given out against their order of reservation: lowest last.
-    for low in [31230, 31220, 31210] {
+    // Ports given out in their order of reservation: newest first is then
+    // highest first, not the lowest port first.
+    for low in [31210, 31220, 31230] {
         let r = s
             .post(
                 "/v1/ports",

@@ -13,28 +13,48 @@ fn small(what: &str, v: Option<i64>) -> Result<Option<i32>> {
         .map_err(|e| decode_err(what, e))
 }
 
-/// The `identity` column: the identity as read, and, only when it is so,
-/// that the group the process leads is not signalled (confirmed without
-/// `process_group`). Rows written before the flag have no such key: their
-/// identity then held no group that was not to be signalled.
+/// The `identity` column. A group the process leads but that a stop must
+/// not signal (confirmed without `process_group`) is kept under a key of
+/// its own, `pgid` itself null: a version before this one, which knows no
+/// such key, reads no group to signal, as it wrote it then.
 #[derive(Serialize, Deserialize)]
-struct StoredIdentity<I> {
+struct StoredIdentity {
     #[serde(flatten)]
-    identity: I,
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    group_not_signalled: bool,
+    identity: Identity,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    unsignalled_group: Option<i32>,
 }
 
 fn identity_json(p: &ProcessRecord) -> Result<Option<String>> {
     p.identity
         .as_ref()
         .map(|identity| {
-            to_json(&StoredIdentity {
-                identity,
-                group_not_signalled: !p.signal_group,
-            })
+            let mut stored = StoredIdentity {
+                identity: identity.clone(),
+                unsignalled_group: None,
+            };
+            if !p.signal_group && identity.pgid == Some(identity.pid) {
+                stored.unsignalled_group = stored.identity.pgid.take();
+            }
+            to_json(&stored)
         })
         .transpose()
+}
+
+/// An identity and whether a stop signals its group, as `identity_json` wrote them.
+fn identity_of(json: Option<String>) -> Result<(Option<Identity>, bool)> {
+    let stored: Option<StoredIdentity> = from_json("identity", json)?;
+    Ok(match stored {
+        Some(StoredIdentity {
+            mut identity,
+            unsignalled_group: Some(group),
+        }) => {
+            identity.pgid = Some(group);
+            (Some(identity), false)
+        }
+        Some(s) => (Some(s.identity), true),
+        None => (None, false),
+    })
 }
 
 fn process_row(r: &impl Cols) -> Result<ProcessRecord> {
@@ -47,11 +67,7 @@ fn process_row(r: &impl Cols) -> Result<ProcessRecord> {
         _ => None,
     };
     let state = r.text(2)?;
-    let stored: Option<StoredIdentity<Identity>> = from_json("identity", r.opt_text(8)?)?;
-    let (identity, signal_group) = match stored {
-        Some(s) => (Some(s.identity), !s.group_not_signalled),
-        None => (None, false),
-    };
+    let (identity, signal_group) = identity_of(r.opt_text(8)?)?;
     Ok(ProcessRecord {
         id: r.text(0)?,
         kind: r.text(1)?,
@@ -185,4 +201,47 @@ pub async fn count_current_processes<E: Exec + ?Sized>(c: &mut E) -> Result<i64>
         concat!("SELECT count(*) FROM processes WHERE ", process_current!()),
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity(pgid: Option<i32>) -> Identity {
+        serde_json::from_value(serde_json::json!({
+            "pid": 40, "start_time": "9", "pidfd_inode": null, "boot_id": "b",
+            "host_id": "h", "pid_ns": "n", "hostname": "x", "executable": null,
+            "uid": 0, "pgid": pgid, "sid": 40
+        }))
+        .expect("identity")
+    }
+
+    #[test]
+    fn a_group_not_to_signal_is_hidden_from_versions_that_would_signal_it() {
+        let mut rec = crate::tx::fixture::process_record(ProcessState::Running);
+        for (pgid, signal_group, stored_pgid) in [
+            (Some(40), false, None),
+            (Some(40), true, Some(40)),
+            (Some(7), false, Some(7)),
+        ] {
+            rec.identity = Some(identity(pgid));
+            rec.signal_group = signal_group;
+            let json = identity_json(&rec).expect("encode").expect("some");
+            let raw: serde_json::Value = serde_json::from_str(&json).expect("json");
+            assert_eq!(raw["pgid"], serde_json::json!(stored_pgid), "{json}");
+            let (back, signals) = identity_of(Some(json)).expect("decode");
+            assert_eq!(back.and_then(|i| i.pgid), pgid);
+            // A group the process does not lead is never signalled, flag or not.
+            assert_eq!(signals, signal_group || pgid != Some(40));
+        }
+        // Written by a version before the flag: its group is signalled
+        // where `pgid` says it leads one, and null was its "not signalled".
+        let old = serde_json::to_string(&identity(Some(40))).expect("old row");
+        assert!(identity_of(Some(old)).expect("decode").1);
+        let old = serde_json::to_string(&identity(None)).expect("old row");
+        let (ident, _) = identity_of(Some(old)).expect("decode");
+        rec.identity = ident;
+        rec.signal_group = true;
+        assert_eq!(rec.pgid(), None);
+    }
 }
