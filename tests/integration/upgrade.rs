@@ -206,3 +206,46 @@ async fn a_postgres_database_migrated_before_sqlx_opens_and_a_newer_one_is_refus
     })
     .await
 }
+
+/// An unconfirmed registration that an earlier version claimed stayed
+/// `orphaned` for ever, keeping its operation id and ports: the first pass
+/// of this build ends it, as it now ends one when it claims it.
+#[tokio::test]
+async fn an_unconfirmed_orphan_left_by_an_earlier_version_is_ended() {
+    run(Store::Sqlite, async {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = Server::start_in(dir.path(), &[]).await;
+        let reg = s
+            .spawn(json!({"kind": "job", "operation_id": "op-old", "ports": ["http"]}))
+            .await;
+        let id = reg["id"].as_str().expect("id").to_owned();
+        s.kill9().await;
+        // As the earlier version's claim left it.
+        let mut db = sqlite_at(dir.path()).await;
+        sqlx::query("UPDATE processes SET state = 'orphaned', token = 2 WHERE id = $1")
+            .bind(&id)
+            .execute(&mut db)
+            .await
+            .expect("update");
+        db.close().await.expect("close");
+
+        let s = Server::start_in(dir.path(), &["--reconcile-interval-ms", "100"]).await;
+        let ended = s
+            .eventually(
+                &format!("/v1/processes/{id}"),
+                std::time::Duration::from_secs(10),
+                |v| v["state"] == "stopped",
+            )
+            .await;
+        assert_eq!(ended["end_reason"], "orphan_reconciled", "{ended}");
+        assert_eq!(s.get("/v1/ports").await.body["items"], json!([]));
+        let again = s
+            .post(
+                "/v1/processes",
+                json!({"kind": "job", "operation_id": "op-old"}),
+            )
+            .await;
+        assert_eq!(again.status, reqwest::StatusCode::CREATED, "{}", again.body);
+    })
+    .await
+}
