@@ -2,7 +2,7 @@
 //! credentials, and the `Host` / `Origin` checks that keep web pages out.
 
 use axum::extract::{ConnectInfo, Request, State};
-use axum::http::{HeaderMap, header};
+use axum::http::{HeaderMap, Uri, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
@@ -116,8 +116,13 @@ fn origin_allowed(origin: &str, allowed: &[String]) -> bool {
 
 /// Whether the request may reach a loopback listener (DNS rebinding guard):
 /// one `Host`, allowed, and every `Origin` allowed. Two `Host`s are refused
-/// rather than one of them believed (RFC 9112 answers them 400).
-pub fn loopback_request_allowed(headers: &HeaderMap, allowed: &[String]) -> bool {
+/// rather than one of them believed (RFC 9112 answers them 400). An
+/// absolute-form target (`GET http://host/...`) names the host the request
+/// is for, over its `Host`, and must be allowed too.
+pub fn loopback_request_allowed(uri: &Uri, headers: &HeaderMap, allowed: &[String]) -> bool {
+    let target_ok = uri
+        .authority()
+        .is_none_or(|a| host_allowed(a.as_str(), allowed));
     let mut hosts = headers.get_all(header::HOST).iter();
     let host_ok = hosts
         .next()
@@ -128,7 +133,7 @@ pub fn loopback_request_allowed(headers: &HeaderMap, allowed: &[String]) -> bool
         .get_all(header::ORIGIN)
         .iter()
         .all(|o| o.to_str().is_ok_and(|o| origin_allowed(o, allowed)));
-    host_ok && origin_ok
+    target_ok && host_ok && origin_ok
 }
 
 /// Applied to every request: the Host/Origin check on a loopback listener,
@@ -150,13 +155,7 @@ pub async fn guard(
     }
     if peer == Peer::Tcp
         && state.access.tcp_loopback
-        && !(loopback_request_allowed(req.headers(), &state.access.allowed_hosts)
-            // An absolute-form target (`GET http://host/...`) names the
-            // host the request is for, over its `Host` (RFC 9112).
-            && req
-                .uri()
-                .authority()
-                .is_none_or(|a| host_allowed(a.as_str(), &state.access.allowed_hosts)))
+        && !loopback_request_allowed(req.uri(), req.headers(), &state.access.allowed_hosts)
     {
         return ApiError::Forbidden(
             "this Host or Origin is not allowed on a loopback listener".into(),
@@ -202,6 +201,7 @@ mod tests {
     #[test]
     fn loopback_hosts_and_origins() {
         let allowed = vec!["myhost.internal".to_owned()];
+        let slash = Uri::from_static("/");
         for ok in [
             "localhost",
             "localhost:7427",
@@ -211,7 +211,7 @@ mod tests {
             "MyHost.internal:80",
         ] {
             assert!(
-                loopback_request_allowed(&headers(&[("host", ok)]), &allowed),
+                loopback_request_allowed(&slash, &headers(&[("host", ok)]), &allowed),
                 "{ok}"
             );
         }
@@ -222,24 +222,30 @@ mod tests {
             "localhost.evil",
         ] {
             assert!(
-                !loopback_request_allowed(&headers(&[("host", bad)]), &allowed),
+                !loopback_request_allowed(&slash, &headers(&[("host", bad)]), &allowed),
                 "{bad}"
             );
         }
         assert!(
-            !loopback_request_allowed(&HeaderMap::new(), &allowed),
+            !loopback_request_allowed(&slash, &HeaderMap::new(), &allowed),
             "no Host"
         );
         let with_origin = |o| headers(&[("host", "localhost:7427"), ("origin", o)]);
         assert!(loopback_request_allowed(
+            &slash,
             &with_origin("http://localhost:3000"),
             &allowed
         ));
         assert!(!loopback_request_allowed(
+            &slash,
             &with_origin("https://evil.example"),
             &allowed
         ));
-        assert!(!loopback_request_allowed(&with_origin("null"), &allowed));
+        assert!(!loopback_request_allowed(
+            &slash,
+            &with_origin("null"),
+            &allowed
+        ));
         let twice = |name: &str, first: &str, second: &str| {
             let mut h = headers(&[("host", "localhost")]);
             h.insert(
@@ -257,7 +263,19 @@ mod tests {
             twice("host", "localhost", "localhost"),
             twice("origin", "http://localhost", "http://evil.example"),
         ] {
-            assert!(!loopback_request_allowed(&h, &allowed), "{h:?}");
+            assert!(!loopback_request_allowed(&slash, &h, &allowed), "{h:?}");
+        }
+        let localhost = headers(&[("host", "localhost")]);
+        for (target, ok) in [
+            ("http://evil.example/healthz", false),
+            ("http://localhost:7427/healthz", true),
+        ] {
+            let uri = Uri::from_static(target);
+            assert_eq!(
+                loopback_request_allowed(&uri, &localhost, &allowed),
+                ok,
+                "{target}"
+            );
         }
     }
 

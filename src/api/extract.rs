@@ -23,23 +23,6 @@ fn is_json(content_type: &str) -> bool {
     mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"))
 }
 
-/// `path` as the contract spells a member: dotted, an array's element by
-/// its index (`command.argv.0`, not serde's `command.argv[0]`); "" for the
-/// body itself.
-pub fn dotted(path: &serde_path_to_error::Path) -> String {
-    use serde_path_to_error::Segment;
-    let parts: Vec<String> = path
-        .iter()
-        .map(|s| match s {
-            Segment::Seq { index } => index.to_string(),
-            Segment::Map { key } => key.clone(),
-            Segment::Enum { variant } => variant.clone(),
-            Segment::Unknown => "?".to_owned(),
-        })
-        .collect();
-    parts.join(".")
-}
-
 /// serde reports a missing or repeated member at its parent's path (and an unknown one
 /// at its own): name the member itself, which is what a client must fix.
 fn member_path(path: &str, message: &str) -> String {
@@ -60,7 +43,7 @@ fn member_path(path: &str, message: &str) -> String {
 /// Deserialize `value` into `T`, mapping failures to `validation` on the path.
 pub fn from_value<T: DeserializeOwned>(value: Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = dotted(e.path());
+        let path = super::strict::dotted(e.path());
         let message = e.inner().to_string();
         ApiError::validation(member_path(&path, &message), message)
     })
@@ -143,7 +126,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Params<T> {
         serde_path_to_error::deserialize(de)
             .map(Params)
             .map_err(|e| {
-                let path = dotted(e.path());
+                let path = super::strict::dotted(e.path());
                 let message = e.inner().to_string();
                 ApiError::validation(member_path(&path, &message), message)
             })

@@ -68,12 +68,29 @@ impl<'de> Visitor<'de> for StrictVisitor {
     }
 }
 
+/// `path` as the contract spells a member: dotted, an array's element by
+/// its index (`command.argv.0`, not serde's `command.argv[0]`); "" for the
+/// body itself.
+pub fn dotted(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let parts: Vec<String> = path
+        .iter()
+        .map(|s| match s {
+            Segment::Seq { index } => index.to_string(),
+            Segment::Map { key } => key.clone(),
+            Segment::Enum { variant } => variant.clone(),
+            Segment::Unknown => "?".to_owned(),
+        })
+        .collect();
+    parts.join(".")
+}
+
 /// Parse `bytes` strictly. Err(None) for bad syntax, Err(Some(path)) for a
 /// duplicate member at that path.
 pub fn parse(bytes: &[u8]) -> Result<Value, (Option<String>, String)> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize::<_, Strict>(&mut de).map_err(|e| {
-        let parent = super::extract::dotted(e.path());
+        let parent = dotted(e.path());
         let inner = e.into_inner();
         let message = inner.to_string();
         let dup = inner.classify() == serde_json::error::Category::Data;

@@ -80,6 +80,7 @@ impl CliError {
             "lease_held" => EXIT_CONFLICT,
             _ => 1,
         };
+        let answer = Some(String::from_utf8_lossy(body).into_owned());
         if let Ok(problem) = serde_json::from_slice::<Problem>(body) {
             let flag = problem.field.as_deref().and_then(flag_of);
             return Self {
@@ -90,7 +91,7 @@ impl CliError {
                 },
                 exit: exit(problem.code.as_str()),
                 problem: Some(Box::new(problem)),
-                answer: Some(String::from_utf8_lossy(body).into_owned()),
+                answer,
                 quiet: false,
             };
         }
@@ -99,7 +100,7 @@ impl CliError {
             Ok(v) if v["code"].is_string() => {
                 let code = v["code"].as_str().unwrap_or_default();
                 let mut e = Self::new(code, v["detail"].as_str().unwrap_or_default(), exit(code));
-                e.answer = Some(String::from_utf8_lossy(body).into_owned());
+                e.answer = answer;
                 e
             }
             _ => {

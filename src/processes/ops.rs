@@ -502,7 +502,7 @@ pub async fn claim(tx: &mut dyn Tx, cx: Ctx<'_>, id: &str) -> Result<Option<Proc
         return Ok(None);
     };
     rec.token += 1;
-    let unconfirmed = rec.state == ProcessState::Starting || rec.identity.is_none();
+    let unconfirmed = rec.identity.is_none();
     rec.state = ProcessState::Orphaned;
     tx.update_process(&rec).await?;
     tx.require_durable();
