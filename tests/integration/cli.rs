@@ -1443,9 +1443,35 @@ async fn cli_run_over_the_unix_socket_is_owned_by_run_and_never_sees_the_token()
 async fn cli_run_against_a_server_in_its_own_session_says_to_start_it_in_another() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
-    // As `holdfast serve &` in the shell that then calls `holdfast run`.
-    let s = Server::start_under(&["env"], dir, &[]).await;
-    let o = out(run_sh(&s, &["--lease", "job/same-session"], dir, ": > ran")).await;
+    // As `holdfast serve &` in the shell that then calls `holdfast run`: a
+    // shell leading a new session (the test's own may be invisible, as is
+    // the session of a CI job started by an init that never made one)
+    // starts `run` in the background, then becomes the server. `run` reads
+    // the server's address from a FIFO once the server listens.
+    let go = dir.join("go");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&go)
+        .status()
+        .expect("mkfifo");
+    assert!(made.success(), "mkfifo {}", go.display());
+    let _unblock = Unblock(go.clone());
+    let script = r#"d=$1; shift
+        ( read -r url < "$d/go" &&
+          env -u HOLDFAST_SOCKET -u HOLDFAST_TOKEN -u HOLDFAST_TOKEN_FILE HOLDFAST_URL="$url" \
+            "$1" run --lease job/same-session -- sh -c ": > '$d/ran'" 2> "$d/stderr"
+          echo $? > "$d/code" ) &
+        exec "$@""#;
+    let d = dir.display().to_string();
+    let s = Server::start_under(&["setsid", "sh", "-c", script, "sh", &d], dir, &[]).await;
+    tokio::fs::write(&go, format!("{}\n", s.base))
+        .await
+        .expect("hand run the address");
+    let code = wait_for_file(&dir.join("code")).await;
+    let o = Out {
+        code: code.trim().parse().expect("an exit code"),
+        stdout: String::new(),
+        stderr: std::fs::read_to_string(dir.join("stderr")).expect("stderr"),
+    };
     assert_eq!(o.code, 1, "{}", o.stderr);
     assert_error_line(&o, "forbidden");
     assert!(
@@ -1454,6 +1480,20 @@ async fn cli_run_against_a_server_in_its_own_session_says_to_start_it_in_another
         o.stderr
     );
     assert!(!dir.join("ran").exists(), "the command never ran");
+}
+
+/// Ends a wait on the FIFO `.0` that a failed test never fed: a writer that
+/// opens and closes it gives the reader end-of-file.
+struct Unblock(std::path::PathBuf);
+
+impl Drop for Unblock {
+    fn drop(&mut self) {
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+            .open(&self.0);
+    }
 }
 
 #[tokio::test]
