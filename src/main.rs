@@ -41,8 +41,21 @@ enum Command {
     Exec(cli::run::gate::ExecArgs),
 }
 
+/// The command line, with the client's flags left out of `serve --help`:
+/// they are global, so clap would list them there, and `serve` refuses them.
+/// `serve` gets hidden copies of them, which clap then does not replace.
+fn command() -> clap::Command {
+    let cmd = Cli::command();
+    let client: Vec<clap::Arg> = cmd
+        .get_arguments()
+        .filter(|arg| arg.is_global_set())
+        .map(|arg| arg.clone().global(false).hide(true))
+        .collect();
+    cmd.mut_subcommand("serve", |serve| serve.args(client))
+}
+
 fn main() -> ExitCode {
-    let matches = Cli::command().get_matches();
+    let matches = command().get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
@@ -59,7 +72,7 @@ fn main() -> ExitCode {
         Command::Serve(config) => {
             if let Some(why) = config.listens_nowhere() {
                 // Wrong usage, as clap's own refusals are (exit 2).
-                Cli::command()
+                command()
                     .error(clap::error::ErrorKind::MissingRequiredArgument, why)
                     .exit();
             }
@@ -98,7 +111,7 @@ fn refuse_misplaced_flags(top: &ArgMatches, serve: &ArgMatches) {
     .into_iter()
     .find(|(id, ..)| given(id));
     if let Some((_, flag, hint)) = hint {
-        Cli::command()
+        command()
             .error(
                 clap::error::ErrorKind::ArgumentConflict,
                 format!("{flag} is a client flag: `holdfast serve` does not take it{hint}"),
@@ -112,7 +125,7 @@ fn refuse_misplaced_flags(top: &ArgMatches, serve: &ArgMatches) {
         ("admin_token", "--admin-token", "HOLDFAST_ADMIN_TOKEN"),
     ] {
         if serve.value_source(id) == Some(ValueSource::CommandLine) {
-            Cli::command()
+            command()
                 .error(
                     clap::error::ErrorKind::ArgumentConflict,
                     format!(

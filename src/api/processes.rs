@@ -24,7 +24,7 @@ use super::validate::{self, NAME_MAX, TTL_MS};
 use crate::model::{
     Command, ProcessFilter, ProcessRecord, ProcessState, ProcessView, StateFilter, TokenRef,
 };
-use crate::processes::ops::{Outcome, StopStart};
+use crate::processes::ops::{Finish, Outcome, StopStart};
 use crate::processes::stop::StopParams;
 use crate::processes::{CreateRequest, DEFAULT_GRACE, Error as ProcessesError, SpawnFailure};
 
@@ -173,6 +173,12 @@ pub struct FinishRequest {
     pub reason: Option<String>,
     #[serde(default, deserialize_with = "crate::model::int::opt_i32")]
     pub exit_code: Option<i32>,
+    /// With the admin token only (`403 forbidden` otherwise): `true` ends a
+    /// record of another host, which is `409 remote_process` without it.
+    /// Only that host can tell whether the process still runs: say it of a
+    /// host gone for good, whose records would otherwise keep their
+    /// operation ids and ports.
+    pub host_gone: Option<bool>,
 }
 
 #[derive(Debug, Serialize, Deserialize, IntoParams)]
@@ -459,17 +465,25 @@ async fn stop_process(
     request_body = FinishRequest,
     responses(
         (status = 200, description = "Finished: the process ended as reported (or as it is, when it already had)", body = ProcessView),
+        (status = 403, description = "`forbidden`: `host_gone` without the admin token, or the Host / Origin is refused", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No such process", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "`fenced`, `process_alive`, or `remote_process` (it runs on another host, which alone can tell whether it still runs)", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "`fenced`, `process_alive`, or `remote_process` (it runs on another host, which alone can tell whether it still runs; the admin token may end it with `host_gone`)", body = Problem, content_type = "application/problem+json"),
     )
 )]
 async fn finish_process(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     Body(req): Body<FinishRequest>,
 ) -> Result<Json<ProcessView>, ApiError> {
     let id = process_id(&id)?;
     let token = positive_token(req.token)?;
+    let host_gone = req.host_gone == Some(true);
+    if host_gone && !caller.admin {
+        return Err(ApiError::Forbidden(
+            "only the admin token may say a host is gone (host_gone)".into(),
+        ));
+    }
     if let Some(r) = &req.reason {
         validate::text("reason", r, NAME_MAX)?;
     }
@@ -481,7 +495,16 @@ async fn finish_process(
     Ok(Json(
         state
             .processes
-            .finish(id, token, target, req.reason, req.exit_code)
+            .finish(
+                id,
+                token,
+                Finish {
+                    state: target,
+                    reason: req.reason,
+                    exit_code: req.exit_code,
+                    host_gone,
+                },
+            )
             .await?,
     ))
 }

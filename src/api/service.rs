@@ -2,7 +2,7 @@
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -11,6 +11,7 @@ use utoipa_axum::routes;
 
 use super::AppState;
 use super::error::{ApiError, Problem};
+use crate::metrics::format;
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -58,12 +59,16 @@ async fn get_readiness(State(state): State<AppState>) -> Result<Json<Readiness>,
     }))
 }
 
-/// Prometheus text format.
+/// Prometheus text format 0.0.4, or OpenMetrics 1.0 when `Accept` asks for
+/// it (as Prometheus does).
 #[utoipa::path(
     get, path = "/metrics", tag = "service",
-    responses((status = 200, description = "Prometheus text exposition", body = String, content_type = "text/plain"))
+    responses((status = 200, description = "Prometheus text exposition (0.0.4), or OpenMetrics text when `Accept` asks for `application/openmetrics-text`", content(
+        (String = "text/plain"),
+        (String = "application/openmetrics-text"),
+    )))
 )]
-async fn get_metrics(State(state): State<AppState>) -> impl IntoResponse {
+async fn get_metrics(State(state): State<AppState>, headers: HeaderMap) -> impl IntoResponse {
     let counted = async {
         let leases = state.leases.count_current().await?;
         let processes = state.processes.count_current().await?;
@@ -73,17 +78,20 @@ async fn get_metrics(State(state): State<AppState>) -> impl IntoResponse {
         .await
         .inspect_err(|e| tracing::warn!(error = %e, "metrics: cannot count the current records"))
         .ok();
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        state.metrics.render(
-            current,
-            state.hub.waiters.waiting(),
-            crate::waiters::MAX_WAITERS.saturating_sub(state.hub.waiting.available_permits()),
-        ),
-    )
+    let text = state.metrics.render(
+        current,
+        state.hub.waiters.waiting(),
+        crate::waiters::MAX_WAITERS.saturating_sub(state.hub.waiting.available_permits()),
+    );
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    if format::wants_openmetrics(accept) {
+        ([(header::CONTENT_TYPE, format::OPENMETRICS)], text)
+    } else {
+        (
+            [(header::CONTENT_TYPE, format::CLASSIC)],
+            format::classic(&text),
+        )
+    }
 }
 
 /// This document.

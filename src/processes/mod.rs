@@ -21,8 +21,7 @@ use crate::host::Host;
 use crate::host::signal::{self, OwnIds, Verified};
 use crate::host::spawn::{Reaper, SpawnSpec, check_program};
 use crate::model::{
-    Command, Exit, Identity, Logs, ProcessFilter, ProcessRecord, ProcessState, ProcessView,
-    TokenRef,
+    Command, Exit, Identity, Logs, ProcessFilter, ProcessRecord, ProcessView, TokenRef,
 };
 use crate::store::{Store, StoreError};
 use ops::{Create, ProcError, StopStart, Stopped};
@@ -619,12 +618,10 @@ impl Processes {
         &self,
         id: String,
         token: i64,
-        state: ProcessState,
-        reason: Option<String>,
-        exit_code: Option<i32>,
+        finish: ops::Finish,
     ) -> Result<ProcessView, Error> {
         Ok(in_tx!(self, true, |tx, cx| ops::finish(
-            tx, cx, &id, token, state, reason, exit_code
+            tx, cx, &id, token, finish
         ))??)
     }
 }

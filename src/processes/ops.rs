@@ -404,15 +404,24 @@ pub async fn end_stop(
     }
 }
 
+/// How the client says a process it ran itself ended.
+#[derive(Debug, Clone)]
+pub struct Finish {
+    pub state: ProcessState,
+    pub reason: Option<String>,
+    pub exit_code: Option<i32>,
+    /// The admin's word that the record's host is gone for good: a record
+    /// of another host then ends without the check only that host could make.
+    pub host_gone: bool,
+}
+
 /// The client reports how a process it runs itself ended.
 pub async fn finish(
     tx: &mut dyn Tx,
     cx: Ctx<'_>,
     id: &str,
     token: i64,
-    state: ProcessState,
-    reason: Option<String>,
-    exit_code: Option<i32>,
+    f: Finish,
 ) -> Result<Outcome<ProcessView>> {
     let mut rec = match fenced(tx, cx, id, token).await? {
         Ok(r) => r,
@@ -427,16 +436,16 @@ pub async fn finish(
         Some(Liveness::Live) => {
             return Ok(Err(ProcError::ProcessAlive(boxed(tx, cx, &rec).await?)));
         }
-        Some(Liveness::Remote) => {
+        Some(Liveness::Remote) if !f.host_gone => {
             return Ok(Err(ProcError::RemoteProcess(boxed(tx, cx, &rec).await?)));
         }
         _ => {}
     }
-    if exit_code.is_some() {
-        rec.exit.code = exit_code;
+    if f.exit_code.is_some() {
+        rec.exit.code = f.exit_code;
     }
-    let reason = reason.unwrap_or_else(|| state.as_str().to_owned());
-    Ok(Ok(end(tx, cx, &mut rec, state, reason).await?))
+    let reason = f.reason.unwrap_or_else(|| f.state.as_str().to_owned());
+    Ok(Ok(end(tx, cx, &mut rec, f.state, reason).await?))
 }
 
 /// The watched process exited. A `running` record ends `exited`; one being

@@ -92,16 +92,22 @@ async fn heartbeat(fx: &Fixture, id: &str, token: i64) -> Outcome<ProcessView> {
 }
 
 async fn finish(fx: &Fixture, id: &str, token: i64) -> Outcome<ProcessView> {
+    finish_as(fx, id, token, false).await
+}
+
+async fn finish_as(fx: &Fixture, id: &str, token: i64, host_gone: bool) -> Outcome<ProcessView> {
     let id = id.to_owned();
-    let reason = Some("crashed".to_owned());
     run!(fx, |tx, cx| ops::finish(
         tx,
         cx,
         &id,
         token,
-        ProcessState::Failed,
-        reason,
-        Some(3)
+        ops::Finish {
+            state: ProcessState::Failed,
+            reason: Some("crashed".to_owned()),
+            exit_code: Some(3),
+            host_gone,
+        }
     ))
 }
 
@@ -636,6 +642,14 @@ async fn stop_refuses_a_remote_process_and_ends_a_starting_one_unsignalled() {
     );
     let now = fx.process(&rec.id).await;
     assert_eq!((now.state, now.token), (ProcessState::Running, 1));
+    // The admin's word that its host is gone ends it, fenced still.
+    let wrong = finish_as(&fx, &rec.id, 2, true).await;
+    assert!(matches!(wrong, Err(ProcError::Fenced(_))), "{wrong:?}");
+    let gone = finish_as(&fx, &rec.id, 1, true).await.expect("ended");
+    assert_eq!(
+        (gone.state, gone.end_reason.as_deref()),
+        (ProcessState::Failed, Some("crashed"))
+    );
 
     let starting = register(&fx, create_cmd()).await;
     match begin_stop(&fx, &starting.id, 1).await {

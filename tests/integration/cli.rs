@@ -492,6 +492,25 @@ async fn cli_usage_errors_exit_2() {
         assert_eq!(o.code, 2, "{all:?}: {}", o.stderr);
         assert!(o.stderr.contains(hint), "{all:?}: {}", o.stderr);
     }
+    // So its help does not list them; a client command's does.
+    let serve = out(holdfast(&["serve", "--help"])).await;
+    assert_eq!(serve.code, 0, "{}", serve.stderr);
+    assert!(
+        serve.stdout.contains("--auth-token-file"),
+        "{}",
+        serve.stdout
+    );
+    for client in ["--url", "--socket <", "--token-file", "--json"] {
+        assert!(
+            !serve.stdout.contains(client),
+            "{client} in\n{}",
+            serve.stdout
+        );
+    }
+    let list = out(holdfast(&["lease", "list", "--help"])).await;
+    for client in ["--url", "--socket <", "--token-file", "--json"] {
+        assert!(list.stdout.contains(client), "{client} in\n{}", list.stdout);
+    }
     let o = out(holdfast(&[
         "serve",
         "--listen",

@@ -159,6 +159,108 @@ async fn a_host_never_signals_another_hosts_process_and_claims_only_its_own() {
 }
 
 #[tokio::test]
+async fn the_admin_ends_the_records_of_a_host_gone_for_good() {
+    run(Store::Postgres, async {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let file = |name: &str, token: &str| {
+            let path = tmp.path().join(name);
+            std::fs::write(&path, format!("{token}\n")).expect("write");
+            path.display().to_string()
+        };
+        let (user, admin) = (file("user", "user-secret"), file("admin", "admin-secret"));
+        let (a, b, _dirs) = two_hosts_with(
+            &[],
+            &["--auth-token-file", &user, "--admin-token-file", &admin],
+        )
+        .await;
+        let child = Proc::sleep();
+        let p = a
+            .post(
+                "/v1/processes",
+                json!({"kind": "job", "operation_id": "gone-1"}),
+            )
+            .await;
+        assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
+        let pid_ = id(&p.body);
+        let confirmed = a
+            .process_op(&pid_, "confirm", json!({"token": 1, "pid": child.pid()}))
+            .await;
+        assert_eq!(confirmed.status, StatusCode::OK, "{}", confirmed.body);
+        let port = a
+            .post(
+                "/v1/ports",
+                json!({"names": ["http"], "owner": {"process": {"id": pid_, "token": 1}}}),
+            )
+            .await;
+        assert_eq!(port.status, StatusCode::CREATED, "{}", port.body);
+        a.kill9().await;
+
+        // Host B, with tokens.
+        let on_b = |path: String, body: Option<serde_json::Value>, token: &'static str| {
+            let req = match body {
+                Some(body) => b.client.post(b.url(&path)).json(&body),
+                None => b.client.get(b.url(&path)),
+            };
+            async move {
+                let res = req.bearer_auth(token).send().await.expect("send");
+                let status = res.status();
+                let body: serde_json::Value = res.json().await.expect("json");
+                (status, body)
+            }
+        };
+        let finish_path = format!("/v1/processes/{pid_}/finish");
+        let finish = |host_gone: bool| {
+            let mut body =
+                json!({"token": 1, "state": "failed", "reason": "host-a decommissioned"});
+            if host_gone {
+                body["host_gone"] = json!(true);
+            }
+            Some(body)
+        };
+        let (status, body) = on_b(finish_path.clone(), finish(false), "admin-secret").await;
+        assert_eq!(
+            (status, &body["code"]),
+            (StatusCode::CONFLICT, &json!("remote_process")),
+            "{body}"
+        );
+        let (status, body) = on_b(finish_path.clone(), finish(true), "user-secret").await;
+        assert_eq!(
+            (status, &body["code"]),
+            (StatusCode::FORBIDDEN, &json!("forbidden")),
+            "{body}"
+        );
+        let (_, now) = on_b(format!("/v1/processes/{pid_}"), None, "user-secret").await;
+        assert_eq!(now["state"], "running", "{now}");
+
+        // The admin's word that host-a is gone ends the record, with its
+        // operation id and port, and signals nothing.
+        let (status, body) = on_b(finish_path, finish(true), "admin-secret").await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(
+            (&body["state"], &body["end_reason"]),
+            (&json!("failed"), &json!("host-a decommissioned"))
+        );
+        assert!(alive(child.pid()), "nothing was signalled");
+        let create = json!({"kind": "job", "operation_id": "gone-1"});
+        let (status, again) = on_b("/v1/processes".into(), Some(create), "user-secret").await;
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "the operation id is free: {again}"
+        );
+        let (_, events) = on_b("/v1/events?limit=1000".into(), None, "user-secret").await;
+        let released = events["items"]
+            .as_array()
+            .expect("items")
+            .iter()
+            .filter(|e| e["type"] == "port.released")
+            .count();
+        assert_eq!(released, 1, "its port is released: {events}");
+    })
+    .await
+}
+
+#[tokio::test]
 async fn when_a_host_dies_the_other_takes_over_its_ttl_leases_after_expiry() {
     run(Store::Postgres, async {
         let (a, b, _dirs) = two_hosts(&["--reconcile-interval-ms", "50"]).await;

@@ -80,6 +80,82 @@ async fn metrics_count_acquisitions_conflicts_and_requests() {
     }
 }
 
+/// Prometheus's own `Accept` at a scrape.
+const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+#[tokio::test]
+async fn metrics_are_classic_text_unless_openmetrics_is_asked_for() {
+    let s = Server::start().await;
+    s.acquire_ok("m", "a").await;
+    let scrape = |accept: Option<&'static str>| {
+        let mut req = s.client.get(s.url("/metrics"));
+        if let Some(accept) = accept {
+            req = req.header("accept", accept);
+        }
+        async move {
+            let res = req.send().await.expect("metrics");
+            assert_eq!(res.status(), StatusCode::OK);
+            let ct = res.headers()["content-type"]
+                .to_str()
+                .expect("ct")
+                .to_owned();
+            (ct, res.text().await.expect("text"))
+        }
+    };
+    // Prometheus text 0.0.4: every sample is of a family its `# TYPE`
+    // names exactly (a counter's family is `x_total`), nothing after it.
+    for accept in [None, Some("text/plain"), Some("*/*")] {
+        let (ct, text) = scrape(accept).await;
+        assert_eq!(ct, "text/plain; version=0.0.4; charset=utf-8", "{accept:?}");
+        let typed: Vec<(&str, &str)> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE ")?.split_once(' '))
+            .collect();
+        assert!(
+            typed.contains(&("holdfast_lease_acquisitions_total", "counter")),
+            "{text}"
+        );
+        for sample in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = sample.split(['{', ' ']).next().unwrap_or_default();
+            let family = typed.iter().find(|(family, kind)| {
+                *family == name
+                    || (*kind == "histogram"
+                        && ["_bucket", "_sum", "_count"]
+                            .iter()
+                            .any(|suffix| name.strip_suffix(suffix) == Some(*family)))
+            });
+            assert!(
+                family.is_some(),
+                "{name} has no # TYPE of its name in\n{text}"
+            );
+        }
+        assert!(
+            !text.contains("# EOF") && !text.contains("# UNIT"),
+            "{text}"
+        );
+        assert!(
+            text.contains("holdfast_lease_acquisitions_total 1"),
+            "{text}"
+        );
+    }
+    // OpenMetrics, as Prometheus asks for it: counters are typed by their
+    // family, and the exposition ends with `# EOF`.
+    let (ct, text) = scrape(Some(PROMETHEUS_ACCEPT)).await;
+    assert_eq!(
+        ct,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    );
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    assert!(
+        text.contains("# TYPE holdfast_lease_acquisitions counter\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("holdfast_lease_acquisitions_total 1"),
+        "{text}"
+    );
+}
+
 stores!(served_openapi_document_is_the_checked_in_one);
 async fn served_openapi_document_is_the_checked_in_one() {
     let s = Server::start().await;

@@ -1,5 +1,7 @@
 //! Prometheus metrics, kept apart from the code they count.
 
+pub mod format;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -219,7 +221,7 @@ impl Metrics {
             .inc();
     }
 
-    /// The text exposition, with the current leases and processes as
+    /// The OpenMetrics exposition, with the current leases and processes as
     /// counted just now; None when the store could not count them (a
     /// scrape during an outage still answers, `store_up` 0).
     pub fn render(&self, current: Option<(i64, i64)>, waiters: Waiting, waiting: usize) -> String {
