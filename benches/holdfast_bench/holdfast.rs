@@ -141,9 +141,11 @@ impl Api {
         let mut found = None;
         for line in text.lines() {
             if let Some(family) = line.strip_prefix("# TYPE ")
-                && FAMILIES
-                    .iter()
-                    .any(|f| family.split_whitespace().next() == Some(f))
+                && FAMILIES.iter().any(|f| {
+                    // Named by the family in OpenMetrics, by its samples in text 0.0.4.
+                    let name = family.split_whitespace().next();
+                    name == Some(f) || name.and_then(|n| n.strip_suffix("_total")) == Some(f)
+                })
             {
                 found = found.or(Some(0.0));
             }

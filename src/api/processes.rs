@@ -177,7 +177,9 @@ pub struct FinishRequest {
     /// record of another host, which is `409 remote_process` without it.
     /// Only that host can tell whether the process still runs: say it of a
     /// host gone for good, whose records would otherwise keep their
-    /// operation ids and ports.
+    /// operation ids and ports. Nothing is signalled; the event's `detail`
+    /// is `{"host_gone": true}`. A record of another PID namespace on this
+    /// host stays `remote_process`.
     pub host_gone: Option<bool>,
 }
 

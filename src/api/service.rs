@@ -84,11 +84,13 @@ async fn get_metrics(State(state): State<AppState>, headers: HeaderMap) -> impl 
         crate::waiters::MAX_WAITERS.saturating_sub(state.hub.waiting.available_permits()),
     );
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    // Which of the two the answer is depends on `Accept`: caches must know.
+    let vary = (header::VARY, "accept");
     if format::wants_openmetrics(accept) {
-        ([(header::CONTENT_TYPE, format::OPENMETRICS)], text)
+        ([(header::CONTENT_TYPE, format::OPENMETRICS), vary], text)
     } else {
         (
-            [(header::CONTENT_TYPE, format::CLASSIC)],
+            [(header::CONTENT_TYPE, format::CLASSIC), vary],
             format::classic(&text),
         )
     }

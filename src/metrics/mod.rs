@@ -152,7 +152,7 @@ impl Metrics {
         );
         registry.register(
             "store_transactions",
-            "Write transactions run by the group commit, one batch of mutations each, by sync level (full: synced to stable storage before any answer, one fsync on SQLite)",
+            "Write transactions run by the group commit, one batch of mutations each, by sync level (full: synced to stable storage before any answer, one fdatasync of the WAL on SQLite)",
             writes.commits,
         );
         registry.register(

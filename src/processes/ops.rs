@@ -12,8 +12,8 @@ use crate::host::signal::OwnIds;
 use crate::leases::ops::current_parent;
 use crate::leases::{LeaseError, rules::expiry};
 use crate::model::{
-    Command, EventType, Exit, Identity, Liveness, Logs, PortOwner, ProcessRecord, ProcessState,
-    ProcessView, TokenRef,
+    Command, EventType, Exit, Identity, Liveness, LivenessReason, Logs, PortOwner, ProcessRecord,
+    ProcessState, ProcessView, TokenRef,
 };
 use crate::store::{Result, Tx};
 use crate::tx::Ctx;
@@ -93,13 +93,25 @@ async fn end(
     state: ProcessState,
     reason: String,
 ) -> Result<ProcessView> {
+    end_with(tx, cx, rec, state, reason, Value::Null).await
+}
+
+/// `end`, with `detail` in its event.
+async fn end_with(
+    tx: &mut dyn Tx,
+    cx: Ctx<'_>,
+    rec: &mut ProcessRecord,
+    state: ProcessState,
+    reason: String,
+    detail: Value,
+) -> Result<ProcessView> {
     rec.state = state;
     rec.ended_at = Some(cx.now);
     rec.end_reason = Some(reason);
     tx.update_process(rec).await?;
     tx.require_durable();
     ports::release_all(tx, cx, &rec.id).await?;
-    event(tx, cx, EventType::of_process(state), rec, Value::Null).await
+    event(tx, cx, EventType::of_process(state), rec, detail).await
 }
 
 /// A process record about to be created.
@@ -432,20 +444,36 @@ pub async fn finish(
     }
     // A process of another host may still run there: only its own host
     // can tell, and a live process never loses its operation id or ports.
-    match rec.identity.as_ref().map(|i| cx.host.judge(i).status) {
-        Some(Liveness::Live) => {
-            return Ok(Err(ProcError::ProcessAlive(boxed(tx, cx, &rec).await?)));
+    // The admin's word stands in for that host's only when the record is of
+    // another host: one of another PID namespace here may well run.
+    let mut vouched = false;
+    if let Some(j) = rec.identity.as_ref().map(|i| cx.host.judge(i)) {
+        match j.status {
+            Liveness::Live => {
+                return Ok(Err(ProcError::ProcessAlive(boxed(tx, cx, &rec).await?)));
+            }
+            Liveness::Remote if f.host_gone && j.reason == Some(LivenessReason::OtherHost) => {
+                vouched = true;
+            }
+            Liveness::Remote => {
+                return Ok(Err(ProcError::RemoteProcess(boxed(tx, cx, &rec).await?)));
+            }
+            _ => {}
         }
-        Some(Liveness::Remote) if !f.host_gone => {
-            return Ok(Err(ProcError::RemoteProcess(boxed(tx, cx, &rec).await?)));
-        }
-        _ => {}
     }
     if f.exit_code.is_some() {
         rec.exit.code = f.exit_code;
     }
     let reason = f.reason.unwrap_or_else(|| f.state.as_str().to_owned());
-    Ok(Ok(end(tx, cx, &mut rec, f.state, reason).await?))
+    // Its event says that nobody checked it ended, as a break says who broke.
+    let detail = if vouched {
+        json!({"host_gone": true})
+    } else {
+        Value::Null
+    };
+    Ok(Ok(
+        end_with(tx, cx, &mut rec, f.state, reason, detail).await?
+    ))
 }
 
 /// The watched process exited. A `running` record ends `exited`; one being

@@ -642,14 +642,37 @@ async fn stop_refuses_a_remote_process_and_ends_a_starting_one_unsignalled() {
     );
     let now = fx.process(&rec.id).await;
     assert_eq!((now.state, now.token), (ProcessState::Running, 1));
-    // The admin's word that its host is gone ends it, fenced still.
+    // The admin's word that its host is gone ends it, fenced still, and
+    // its event says so.
     let wrong = finish_as(&fx, &rec.id, 2, true).await;
     assert!(matches!(wrong, Err(ProcError::Fenced(_))), "{wrong:?}");
+    let mark = fx.mark().await;
     let gone = finish_as(&fx, &rec.id, 1, true).await.expect("ended");
     assert_eq!(
         (gone.state, gone.end_reason.as_deref()),
         (ProcessState::Failed, Some("crashed"))
     );
+    let events = fx.events_after(mark).await;
+    let ended = events
+        .iter()
+        .find(|e| e["type"] == "process.failed")
+        .expect("process.failed");
+    assert_eq!(
+        ended["detail"],
+        serde_json::json!({"host_gone": true}),
+        "{events:?}"
+    );
+    // It does not stand in for this host's own check: a process of another
+    // PID namespace here, or a live one, keeps its record.
+    let contained = register(&fx, create_cmd()).await;
+    confirm(&fx, &contained.id, 1, fx.host.other_namespace())
+        .await
+        .expect("confirmed");
+    let kept = finish_as(&fx, &contained.id, 1, true).await;
+    assert!(matches!(kept, Err(ProcError::RemoteProcess(_))), "{kept:?}");
+    let (live, _) = running(&fx, create_cmd()).await;
+    let kept = finish_as(&fx, &live.id, 1, true).await;
+    assert!(matches!(kept, Err(ProcError::ProcessAlive(_))), "{kept:?}");
 
     let starting = register(&fx, create_cmd()).await;
     match begin_stop(&fx, &starting.id, 1).await {

@@ -12,7 +12,7 @@ pub struct SyncLabel {
 }
 
 /// What the group commit did, for /metrics: the transactions it ran by sync
-/// level (`full`: synced to stable storage before the answer, one fsync on
+/// level (`full`: synced to stable storage before the answer, one fdatasync on
 /// SQLite) and the jobs they ran, so that jobs per commit can be read.
 #[derive(Clone)]
 pub struct WriteCounters {

@@ -1482,9 +1482,7 @@ async fn cli_run_against_a_server_in_its_own_session_says_to_start_it_in_another
         exec "$@""#;
     let d = dir.display().to_string();
     let s = Server::start_under(&["setsid", "sh", "-c", script, "sh", &d], dir, &[]).await;
-    tokio::fs::write(&go, format!("{}\n", s.base))
-        .await
-        .expect("hand run the address");
+    hand_over(&go, &format!("{}\n", s.base)).await;
     let code = wait_for_file(&dir.join("code")).await;
     let o = Out {
         code: code.trim().parse().expect("an exit code"),
@@ -1499,6 +1497,28 @@ async fn cli_run_against_a_server_in_its_own_session_says_to_start_it_in_another
         o.stderr
     );
     assert!(!dir.join("ran").exists(), "the command never ran");
+}
+
+/// Write `text` into the FIFO `path` once its reader has it open, within
+/// LIMIT: a blocking open would wait for ever for a reader that died.
+async fn hand_over(path: &Path, text: &str) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut fifo = None;
+    let opened = until(LIMIT, || {
+        fifo = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+            .open(path)
+            .ok();
+        fifo.is_some()
+    })
+    .await;
+    assert!(opened, "nothing opened {} to read", path.display());
+    // Less than PIPE_BUF, into an empty pipe: written whole, at once.
+    fifo.expect("opened")
+        .write_all(text.as_bytes())
+        .expect("hand the FIFO's reader its text");
 }
 
 /// Ends a wait on the FIFO `.0` that a failed test never fed: a writer that

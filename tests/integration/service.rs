@@ -95,18 +95,24 @@ async fn metrics_are_classic_text_unless_openmetrics_is_asked_for() {
         async move {
             let res = req.send().await.expect("metrics");
             assert_eq!(res.status(), StatusCode::OK);
-            let ct = res.headers()["content-type"]
-                .to_str()
-                .expect("ct")
-                .to_owned();
-            (ct, res.text().await.expect("text"))
+            let header = |name| {
+                res.headers()
+                    .get(name)
+                    .map(|v| v.to_str().expect("ascii").to_owned())
+            };
+            let (ct, vary) = (
+                header("content-type").expect("content-type"),
+                header("vary"),
+            );
+            (ct, vary, res.text().await.expect("text"))
         }
     };
     // Prometheus text 0.0.4: every sample is of a family its `# TYPE`
     // names exactly (a counter's family is `x_total`), nothing after it.
     for accept in [None, Some("text/plain"), Some("*/*")] {
-        let (ct, text) = scrape(accept).await;
+        let (ct, vary, text) = scrape(accept).await;
         assert_eq!(ct, "text/plain; version=0.0.4; charset=utf-8", "{accept:?}");
+        assert_eq!(vary.as_deref(), Some("accept"), "{accept:?}");
         let typed: Vec<(&str, &str)> = text
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE ")?.split_once(' '))
@@ -140,7 +146,7 @@ async fn metrics_are_classic_text_unless_openmetrics_is_asked_for() {
     }
     // OpenMetrics, as Prometheus asks for it: counters are typed by their
     // family, and the exposition ends with `# EOF`.
-    let (ct, text) = scrape(Some(PROMETHEUS_ACCEPT)).await;
+    let (ct, _, text) = scrape(Some(PROMETHEUS_ACCEPT)).await;
     assert_eq!(
         ct,
         "application/openmetrics-text; version=1.0.0; charset=utf-8"
