@@ -12,6 +12,8 @@ use crate::support::Server;
 /// Made by the last rusqlite build (commit 001b270): three leases on two
 /// resources (two released, one held with a port), an exited process, nine events.
 const FIXTURE: &[u8] = include_bytes!("../fixtures/rusqlite-data-dir.db");
+/// Servers on the fixture keep every ended record, however old.
+const KEEP: &[&str] = &["--record-retention", "off"];
 const HELD: &str = "01a22f4c-db59-7290-8f5c-cdb44653f53f";
 const RELEASED: &str = "01a22f4c-daf4-71b8-8e77-846af001e96c";
 const EXITED: &str = "01a22f4c-e230-7499-ad94-0cbda1652b43";
@@ -29,7 +31,9 @@ async fn a_data_dir_made_by_the_rusqlite_build_opens_with_everything_in_it() {
     run(Store::Sqlite, async {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::write(dir.path().join("holdfast.db"), FIXTURE).expect("fixture");
-        let s = Server::start_in(dir.path(), &[]).await;
+        // The fixture's ended records outlive any retention: they were made
+        // on 2026-12-01, and the default (7d) deleted them from 12-08 on.
+        let s = Server::start_in(dir.path(), KEEP).await;
 
         let held = s.lease(HELD).await;
         assert_eq!(
@@ -69,7 +73,7 @@ async fn a_data_dir_made_by_the_rusqlite_build_opens_with_everything_in_it() {
         s.kill9().await;
 
         // Opened again, it is not baselined a second time.
-        let s = Server::start_in(dir.path(), &[]).await;
+        let s = Server::start_in(dir.path(), KEEP).await;
         let id = next["id"].as_str().expect("id");
         assert_eq!(
             s.lease_op(id, "release", json!({"token": 3})).await.body["state"],
