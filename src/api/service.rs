@@ -63,7 +63,7 @@ async fn get_readiness(State(state): State<AppState>) -> Result<Json<Readiness>,
 /// it (as Prometheus does).
 #[utoipa::path(
     get, path = "/metrics", tag = "service",
-    responses((status = 200, description = "Prometheus text exposition (0.0.4), or OpenMetrics text when `Accept` asks for `application/openmetrics-text`", content(
+    responses((status = 200, description = "Prometheus text exposition (0.0.4), or OpenMetrics text when `Accept` prefers `application/openmetrics-text` to `text/plain`", content(
         (String = "text/plain"),
         (String = "application/openmetrics-text"),
     )))

@@ -8,23 +8,24 @@
 pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 pub const CLASSIC: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-/// Whether the scraper's `Accept` asks for OpenMetrics, as Prometheus's
-/// does (first, with its highest q), unless it refuses it with `q=0`.
+/// Whether the scraper's `Accept` prefers OpenMetrics, as Prometheus's
+/// does: named, with a q above 0 and no lower than the classic text's
+/// (`text/plain`, `text/*` or `*/*`). A wildcard alone gets the classic text.
 pub fn wants_openmetrics(accept: Option<&str>) -> bool {
-    accept.is_some_and(|accept| {
-        accept.split(',').any(|range| {
-            let mut parts = range.split(';').map(str::trim);
-            let is_openmetrics = parts
-                .next()
-                .is_some_and(|t| t.eq_ignore_ascii_case("application/openmetrics-text"));
-            let refused = parts.any(|p| {
-                p.strip_prefix("q=")
-                    .and_then(|q| q.parse::<f32>().ok())
-                    .is_some_and(|q| q <= 0.0)
-            });
-            is_openmetrics && !refused
-        })
-    })
+    let (mut openmetrics, mut classic) = (0.0_f32, 0.0_f32);
+    for range in accept.unwrap_or_default().split(',') {
+        let mut parts = range.split(';').map(str::trim);
+        let kind = parts.next().unwrap_or_default().to_ascii_lowercase();
+        let q = parts
+            .find_map(|p| p.strip_prefix("q=")?.parse::<f32>().ok())
+            .unwrap_or(1.0);
+        match kind.as_str() {
+            "application/openmetrics-text" => openmetrics = openmetrics.max(q),
+            "text/plain" | "text/*" | "*/*" => classic = classic.max(q),
+            _ => {}
+        }
+    }
+    openmetrics > 0.0 && openmetrics >= classic
 }
 
 /// OpenMetrics text as Prometheus text 0.0.4.
@@ -75,16 +76,19 @@ mod tests {
     }
 
     #[test]
-    fn openmetrics_is_served_when_asked_for_and_not_refused() {
+    fn openmetrics_is_served_when_preferred_to_the_classic_text() {
         let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
             version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
         assert!(wants_openmetrics(Some(prometheus)));
         assert!(wants_openmetrics(Some("Application/OpenMetrics-Text")));
+        assert!(wants_openmetrics(Some("application/openmetrics-text, */*")));
         for classic in [
             None,
             Some("*/*"),
             Some("text/plain"),
             Some("text/plain;version=0.0.4, application/openmetrics-text;q=0"),
+            Some("text/plain;q=1, application/openmetrics-text;q=0.1"),
+            Some("application/openmetrics-text;q=0.5, */*"),
         ] {
             assert!(!wants_openmetrics(classic), "{classic:?}");
         }
