@@ -1,20 +1,11 @@
 //! Who may do what: tokens, the Unix socket's peer credentials, uid rules,
 //! and the Host / Origin checks on a loopback listener.
 
-use std::path::PathBuf;
-
 use reqwest::StatusCode;
 use serde_json::json;
 
 use crate::stores::stores;
-use crate::support::{Proc, Server, curl_as, unix_request};
-
-fn token_files(dir: &std::path::Path) -> (PathBuf, PathBuf) {
-    let (auth, admin) = (dir.join("auth.token"), dir.join("admin.token"));
-    std::fs::write(&auth, "user-secret\n").expect("write");
-    std::fs::write(&admin, "admin-secret\n").expect("write");
-    (auth, admin)
-}
+use crate::support::{Proc, Server, curl_as, token_files, unix_request};
 
 stores!(tokens_guard_v1_and_metrics_and_only_admin_may_break);
 async fn tokens_guard_v1_and_metrics_and_only_admin_may_break() {

@@ -1503,14 +1503,9 @@ async fn cli_run_against_a_server_in_its_own_session_says_to_start_it_in_another
 /// LIMIT: a blocking open would wait for ever for a reader that died.
 async fn hand_over(path: &Path, text: &str) {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     let mut fifo = None;
     let opened = until(LIMIT, || {
-        fifo = std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-            .open(path)
-            .ok();
+        fifo = fifo_writer(path).ok();
         fifo.is_some()
     })
     .await;
@@ -1527,12 +1522,18 @@ struct Unblock(std::path::PathBuf);
 
 impl Drop for Unblock {
     fn drop(&mut self) {
-        use std::os::unix::fs::OpenOptionsExt;
-        let _ = std::fs::OpenOptions::new()
-            .write(true)
-            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-            .open(&self.0);
+        let _ = fifo_writer(&self.0);
     }
+}
+
+/// The FIFO `path` opened to write without waiting: ENXIO while no reader
+/// has it open.
+fn fifo_writer(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(path)
 }
 
 #[tokio::test]

@@ -8,7 +8,7 @@ use serde_json::json;
 
 use crate::races::{RESOURCES, check_history, hammer};
 use crate::stores::{Store, run, share_database};
-use crate::support::{Proc, Seen, Server, alive, metric};
+use crate::support::{Proc, Seen, Server, alive, metric, token_files};
 
 /// Servers "host-a" and "host-b" on one database, each with its own data
 /// directory; `args` go to both.
@@ -162,12 +162,8 @@ async fn a_host_never_signals_another_hosts_process_and_claims_only_its_own() {
 async fn the_admin_ends_the_records_of_a_host_gone_for_good() {
     run(Store::Postgres, async {
         let tmp = tempfile::tempdir().expect("tempdir");
-        let file = |name: &str, token: &str| {
-            let path = tmp.path().join(name);
-            std::fs::write(&path, format!("{token}\n")).expect("write");
-            path.display().to_string()
-        };
-        let (user, admin) = (file("user", "user-secret"), file("admin", "admin-secret"));
+        let (user, admin) = token_files(tmp.path());
+        let (user, admin) = (user.display().to_string(), admin.display().to_string());
         let (a, b, _dirs) = two_hosts_with(
             &[],
             &["--auth-token-file", &user, "--admin-token-file", &admin],
@@ -175,13 +171,9 @@ async fn the_admin_ends_the_records_of_a_host_gone_for_good() {
         .await;
         let child = Proc::sleep();
         let p = a
-            .post(
-                "/v1/processes",
-                json!({"kind": "job", "operation_id": "gone-1"}),
-            )
+            .spawn(json!({"kind": "job", "operation_id": "gone-1"}))
             .await;
-        assert_eq!(p.status, StatusCode::CREATED, "{}", p.body);
-        let pid_ = id(&p.body);
+        let pid_ = id(&p);
         let confirmed = a
             .process_op(&pid_, "confirm", json!({"token": 1, "pid": child.pid()}))
             .await;

@@ -453,7 +453,6 @@ pub fn assert_lease_shape(lease: &Value) {
 }
 
 impl Server {
-    /// Spawn `argv` through the server and expect it to be running.
     /// Durable write transactions the server has run so far.
     pub async fn durable_transactions(&self) -> u64 {
         let m = self.get("/metrics").await.body;
@@ -465,6 +464,7 @@ impl Server {
         })
     }
 
+    /// Create a process record (spawn or register) and expect `201`.
     pub async fn spawn(&self, body: Value) -> Value {
         let r = self.post("/v1/processes", body).await;
         assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
@@ -607,6 +607,15 @@ pub async fn shell_with_a_member() -> (tokio::process::Child, i32, Seen) {
 
 /// Wait until `pred` holds, checking every few ms (for kernel state, which
 /// sends no event a test could await).
+/// Token files in `dir`: the ordinary token `user-secret` and the admin
+/// token `admin-secret`.
+pub fn token_files(dir: &Path) -> (PathBuf, PathBuf) {
+    let (auth, admin) = (dir.join("auth.token"), dir.join("admin.token"));
+    std::fs::write(&auth, "user-secret\n").expect("write");
+    std::fs::write(&admin, "admin-secret\n").expect("write");
+    (auth, admin)
+}
+
 pub async fn until(within: Duration, mut pred: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + within;
     while tokio::time::Instant::now() < deadline {
